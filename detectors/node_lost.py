@@ -1,0 +1,61 @@
+"""``node_lost``: a node's agent is gone — its Last Will arrived (status ``offline``),
+or its heartbeats (the 1 Hz GPU samples) stopped for longer than the timeout.
+
+One finding per loss: a node found lost is reported again only after it came back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from tmd import events, wire
+from tmd.detectors.base import Detector
+from tmd.errors import ConfigError
+from tmd.plugins import Context
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLostConfig:
+    heartbeat_timeout_s: float = 15.0
+
+    def validate(self) -> None:
+        if not self.heartbeat_timeout_s > 0:
+            raise ConfigError("detectors.node_lost.heartbeat_timeout_s", "must be > 0")
+
+
+class NodeLostDetector(Detector):
+    name = "node_lost"
+    Config = NodeLostConfig
+    consumes = (wire.NodeStatus, wire.NodeGpu)
+    tick_interval = timedelta(seconds=1)
+
+    def __init__(self, config: NodeLostConfig, *, context: Context) -> None:
+        super().__init__(config, context=context)
+        self._last_beat: dict[str, float] = {}
+        self._lost: set[str] = set()
+
+    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
+        node = event.node
+        if isinstance(event, wire.NodeStatus) and event.state == "offline":
+            self._last_beat.pop(node, None)
+            if node not in self._lost:
+                self._lost.add(node)
+                yield events.NodeLost(
+                    ts=now, node=node, cause="last_will", detail="agent's Last Will: offline"
+                )
+            return
+        self._lost.discard(node)
+        self._last_beat[node] = now
+
+    def tick(self, now: float) -> Iterable[events.Event]:
+        timeout = self.config.heartbeat_timeout_s
+        silent = [n for n, t in self._last_beat.items() if now - t > timeout]
+        for node in silent:
+            del self._last_beat[node]
+            self._lost.add(node)
+            yield events.NodeLost(
+                ts=now, node=node, cause="heartbeat", detail=f"no heartbeat for {timeout:g} s"
+            )

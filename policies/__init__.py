@@ -1,0 +1,14 @@
+"""Policies (``tmd.policies``): turn findings and the cluster view into decisions.
+
+Each policy is a ``tmd.plugins.Plugin`` whose ``observe``/``tick`` return decisions
+(``tmd.events.Decision``), always with a reason that is journaled. Built-ins are
+listed here by name; the name is also the config section (``[policies.NAME]``).
+"""
+
+from __future__ import annotations
+
+from tmd.policies.base import Policy
+
+BUILTIN: dict[str, type[Policy]] = {}
+
+__all__ = ["BUILTIN", "Policy"]

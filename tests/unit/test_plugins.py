@@ -1,0 +1,166 @@
+"""Plug-ins: the registry (built-ins, entry points, config), and the supervised runner
+that restarts a failing plug-in with back-off without touching the others."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tmd import events, plugins, wire
+from tmd.bus import Bus
+from tmd.clock import SystemClock
+from tmd.errors import ConfigError, PluginError
+from tmd.metrics import Metrics
+from tmd.view import ClusterView
+from tests.helpers import eventually
+
+TS = 1_800_000_000.0
+
+
+def test_builtins_and_their_config() -> None:
+    known = plugins.available("detectors")
+    assert "node_lost" in known
+    specs = plugins.configure("detectors", {"node_lost": {"heartbeat_timeout_s": 3}}, known)
+    (spec,) = [s for s in specs if s.name == "node_lost"]
+    assert spec.config.heartbeat_timeout_s == 3
+    assert not plugins.configure("detectors", {"node_lost": {"enabled": False}}, known)
+    with pytest.raises(ConfigError) as err:
+        plugins.configure("detectors", {"node_lost": {"heartbeat_timeout_s": -1}}, known)
+    assert err.value.key == "detectors.node_lost.heartbeat_timeout_s"
+    with pytest.raises(ConfigError) as err:
+        plugins.configure("detectors", {"node_lost": {"enabled": "yes"}}, known)
+    assert err.value.key == "detectors.node_lost.enabled"
+
+
+@pytest.fixture
+def third_party(tmp_path: Path) -> Iterator[None]:
+    """A real installed distribution (dist-info on sys.path) exposing an entry point."""
+    (tmp_path / "acme_detect.py").write_text(textwrap.dedent("""
+        from tmd.detectors import Detector
+        class Thermal(Detector):
+            name = "thermal"
+    """))
+    info = tmp_path / "acme_detect-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-detect\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tmd.detectors]\nthermal = acme_detect:Thermal\n")
+    sys.path.insert(0, str(tmp_path))
+    yield
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("acme_detect", None)
+
+
+def test_entry_point_plugins_are_found(third_party: None) -> None:
+    known = plugins.available("detectors")
+    assert known["thermal"].__module__ == "acme_detect"
+    assert "thermal" in [s.name for s in plugins.configure("detectors", {}, known)]
+
+
+def test_entry_point_that_is_not_a_plugin_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bogus_mod.py").write_text("thing = 42\n")
+    info = tmp_path / "bogus-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bogus\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tmd.policies]\nbogus = bogus_mod:thing\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(PluginError, match="not a Plugin class"):
+            plugins.available("policies")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlakyConfig:
+    fail_first: int = 2
+
+
+class Flaky(plugins.Plugin):
+    """Raises on its first ``fail_first`` builds' first event, then echoes findings."""
+
+    name = "flaky"
+    Config = FlakyConfig
+    consumes = (wire.XidEvent,)
+    builds = 0
+
+    def __init__(self, config: FlakyConfig, *, context: plugins.Context) -> None:
+        super().__init__(config, context=context)
+        type(self).builds += 1
+        self.fail = type(self).builds <= config.fail_first
+
+    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
+        if self.fail:
+            raise RuntimeError("boom")
+        yield events.GpuFault(ts=now, node=event.node, gpu=event.gpu, cause=f"xid {event.xid}")
+
+
+class Steady(plugins.Plugin):
+    name = "steady"
+    consumes = (wire.XidEvent,)
+
+    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
+        yield events.GpuDegraded(ts=now, node=event.node, gpu=event.gpu, cause="seen")
+
+
+async def test_failing_plugin_is_restarted_and_others_keep_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(plugins.Runner, "MIN_BACKOFF_S", 0.01)
+    Flaky.builds = 0
+    bus, metrics = Bus(), Metrics()
+    out: list[tuple[str, events.Event]] = []
+    context = plugins.Context(view=ClusterView(), clock=SystemClock())
+    runners = [
+        plugins.Runner(plugins.Spec("detectors", cls.name, cls, cfg), context=context, bus=bus,
+                       metrics=metrics, emit=lambda e, src: out.append((src, e)))
+        for cls, cfg in ((Flaky, FlakyConfig()), (Steady, plugins.NoConfig()))
+    ]
+    tasks = [asyncio.create_task(r.run()) for r in runners]
+    await eventually(lambda: all(r.up for r in runners))
+    try:
+        for code in range(40):
+            bus.publish(wire.XidEvent(ts=TS, node="n", gpu=0, xid=code))
+            await asyncio.sleep(0.01)
+            if any(src == "flaky" for src, _ in out):
+                break
+        await eventually(lambda: any(src == "flaky" for src, _ in out))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert runners[0].restarts == 2 and runners[1].restarts == 0
+    steady = [e for src, e in out if src == "steady"]
+    assert len(steady) >= 3  # it saw the events the flaky one crashed on
+    restarts = metrics.registry.get_sample_value("tmd_plugin_restarts_total", {"plugin": "flaky"})
+    assert restarts == 2.0
+    assert metrics.registry.get_sample_value("tmd_plugin_up", {"plugin": "steady"}) == 0.0
+
+
+async def test_plugin_returning_garbage_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Garbage(plugins.Plugin):
+        name = "garbage"
+        consumes = (wire.XidEvent,)
+
+        def observe(self, event: Any, now: float) -> Iterable[Any]:
+            return ["not an event"]
+
+    monkeypatch.setattr(plugins.Runner, "MIN_BACKOFF_S", 0.01)
+    bus = Bus()
+    runner = plugins.Runner(
+        plugins.Spec("detectors", "garbage", Garbage, plugins.NoConfig()),
+        context=plugins.Context(view=ClusterView(), clock=SystemClock()),
+        bus=bus, metrics=Metrics(), emit=lambda e, s: None,
+    )
+    task = asyncio.create_task(runner.run())
+    await eventually(lambda: runner.up)
+    bus.publish(wire.XidEvent(ts=TS, node="n", gpu=0, xid=1))
+    await eventually(lambda: runner.restarts == 1)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,103 @@
+"""Wire types: every v1 message round-trips; every class of bad payload is rejected
+with its reason; arbitrary bytes never raise anything but ProtocolError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tmd import wire
+from tmd.errors import ProtocolError
+
+TS = 1_800_000_000.0
+
+GOOD = [
+    wire.NodeStatus(ts=TS, node="n1", state="online", role="standby",
+                    gpus=[wire.GpuInfo(index=0, uuid="GPU-1", name="H200")]),
+    wire.NodeGpu(ts=TS, node="n1", gpus=[wire.GpuSample(index=0, temp_c=60.5, ecc_dbe_volatile=0)]),
+    wire.XidEvent(ts=TS, node="n1", gpu=3, xid=79),
+    wire.IterBatch(ts=TS, job="j", rank=7, node="n1",
+                   steps=[wire.StepTiming(10, TS, 1.0, 0.6, 0.3, 0.05, 0.05)]),
+    wire.JobStatus(ts=TS, job="j", generation=2, world_size=2,
+                   members=[wire.Member(0, "a"), wire.Member(1, "b")],
+                   standbys=[wire.StandbyInfo(node="s", state="ready", warmup_s=3.0)]),
+    wire.Ack(ts=TS, job="j", migration_id="m1", kind="switched", node="s", rank=1,
+             downtime=wire.Downtime(total_s=0.2, transfer_s=0.01)),
+]
+
+
+@pytest.mark.parametrize("message", GOOD, ids=lambda m: type(m).__name__)
+def test_round_trip(message: wire.Message) -> None:
+    assert wire.decode(wire.encode(message), type(message)) == message
+
+
+@pytest.mark.parametrize("command", [
+    wire.Prepare(ts=TS, job="j", migration_id="m1", leaver="a", joiner="s"),
+    wire.Switch(ts=TS, job="j", migration_id="m1", at_step=100),
+    wire.Abort(ts=TS, job="j", migration_id="m1", reason="operator"),
+])
+def test_control_union_decodes_by_cmd_tag(command: wire.Message) -> None:
+    data = wire.encode(command)
+    assert json.loads(data)["cmd"] in ("prepare", "switch", "abort")
+    assert wire.decode(data, wire.Control) == command
+
+
+def _iter(**changes: object) -> bytes:
+    body: dict[str, object] = {"v": 1, "ts": TS, "job": "j", "rank": 1, "node": "n",
+                               "steps": [[1, TS, 1.0, 0.5, 0.4, 0.05, 0.05]]}
+    body.update(changes)
+    return json.dumps({k: v for k, v in body.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    (b"not json", "json"),
+    (b'{"v": 1, "ts": 1', "json"),
+    (b'{"v":1,"ts":NaN,"job":"j","rank":1,"node":"n","steps":[]}', "json"),
+    (_iter(v=2), "version"),
+    (_iter(v=2, steps=...), "version"),  # a v2 payload shaped differently is still "version"
+    (_iter(job=...), "schema"),
+    (_iter(rank="one"), "schema"),
+    (b"[1, 2]", "schema"),
+    (_iter(rank=-1), "value"),
+    (_iter(rank=1 << 30), "value"),
+    (_iter(steps=[[1, TS, -0.5, 0.5, 0.4, 0.05, 0.05]]), "value"),  # negative duration
+    (_iter(steps=[[1, TS, 7.0, 0.5, 0.4, 0.05, 0.05]]).replace(b"7.0", b"1e400"), "value"),
+    (_iter(steps=[]), "value"),
+    (_iter(steps=[[1, TS, 1.0, 0.5, 0.4, 0.05, 0.05]] * (wire.MAX_STEPS_PER_BATCH + 1)), "value"),
+    (_iter(job="a/b"), "value"),  # not a single topic segment
+    (_iter(node="#"), "value"),
+])
+def test_bad_payloads_are_rejected_with_their_reason(payload: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        wire.decode(payload, wire.IterBatch)
+    assert err.value.reason == reason
+
+
+def test_unknown_command_is_a_value_error() -> None:
+    with pytest.raises(ProtocolError) as err:
+        wire.decode(b'{"cmd":"explode","v":1,"ts":1,"job":"j","migration_id":"m"}', wire.Control)
+    assert err.value.reason == "value"
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    data = _iter(new_field={"x": 1})
+    assert wire.decode(data, wire.IterBatch).rank == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_raise_only_protocol_errors(data: bytes) -> None:
+    for kind in (wire.IterBatch, wire.NodeGpu, wire.JobStatus, wire.Control):
+        try:
+            wire.decode(data, kind)
+        except ProtocolError:
+            pass
+
+
+def test_topics() -> None:
+    assert wire.iter_topic("j", 3) == "tmd/v1/job/j/rank/3/iter"
+    assert wire.node_topic("n", "xid") == "tmd/v1/node/n/xid"
+    assert wire.job_topic("j", "ctl") == "tmd/v1/job/j/ctl"

@@ -1,0 +1,1 @@
+"""Benchmarks: `tmd bench NAME` commands that print one JSON object."""

@@ -1,0 +1,199 @@
+"""The ``tmd`` command: a thin entry point; each verb hands off to its module."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import tmd
+from tmd import config as config_mod
+from tmd import log
+from tmd.errors import ConfigError, TmdError
+
+DEFAULT_CONFIG = "/etc/tmd/tmd.toml"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Verbs with their own argument parsers take the rest of the line untouched.
+    if argv[:2] == ["bench", "ingest"]:
+        from tmd.bench import ingest
+
+        return ingest.main(argv[2:])
+    if argv[:2] == ["bench", "downtime"]:
+        from tmd.bench import downtime
+
+        return int(downtime.main(argv[2:]))
+    if argv[:1] == ["launch"]:
+        from tmd.runtime import launch
+
+        return int(launch.main(argv[1:]))
+
+    p = argparse.ArgumentParser(prog="tmd", description=tmd.__doc__)
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    run = sub.add_parser("run", help="run the head-node daemon")
+    run.add_argument(
+        "--config",
+        help=f"TOML file (default: $TMD_CONFIG, else {DEFAULT_CONFIG} "
+        "if it exists, else built-in defaults)",
+    )
+
+    check = sub.add_parser("check-config", help="validate a config file and print it")
+    check.add_argument("file")
+
+    for name, text in (
+        ("status", "show jobs, ranks, nodes and standbys"),
+        ("events", "show findings, decisions and migrations"),
+    ):
+        q = sub.add_parser(name, help=text)
+        q.add_argument(
+            "--api", help="daemon API base URL (default: from --config, else http://127.0.0.1:9464)"
+        )
+        q.add_argument("--config", help="read the API address from this config file")
+        q.add_argument("--job", help="only this job")
+        q.add_argument("--json", action="store_true", help="print the raw JSON")
+        if name == "status":
+            q.add_argument("--ranks", action="store_true", help="list every rank")
+        else:
+            q.add_argument("--kind", help="only events of this kind (e.g. NodeLost)")
+            q.add_argument("--limit", type=int, default=50)
+
+    demo = sub.add_parser("demo", help="a live demo on a private broker (see README)")
+    demo.add_argument("--seconds", type=float, default=45.0)
+    demo.add_argument("--ranks", type=int, default=8)
+
+    sub.add_parser("version", help="print the version")
+    sub.add_parser("bench", help="benchmarks: `tmd bench ingest|downtime --help`")
+    sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
+
+    args = p.parse_args(argv)
+    try:
+        if args.verb == "run":
+            return _run(args.config)
+        if args.verb == "check-config":
+            cfg = config_mod.load(args.file)
+            _validate_plugins(cfg)
+            print(json.dumps(config_mod.as_dict(cfg), indent=2, default=str))
+            print(f"{args.file}: ok", file=sys.stderr)
+            return 0
+        if args.verb == "status":
+            return _status(args)
+        if args.verb == "events":
+            return _events(args)
+        if args.verb == "demo":
+            from tmd import demo as demo_mod
+
+            return demo_mod.run(seconds=args.seconds, ranks=args.ranks)
+        if args.verb == "version":
+            print(tmd.__version__)
+            return 0
+        print(
+            f"tmd {args.verb}: needs a sub-command; see `tmd {args.verb} --help`", file=sys.stderr
+        )
+        return 2
+    except ConfigError as exc:
+        print(f"tmd: config error: {exc}", file=sys.stderr)
+        return 2
+    except TmdError as exc:
+        print(f"tmd: {exc}", file=sys.stderr)
+        return 1
+
+
+def _config_path(given: str | None) -> str | None:
+    path = given or os.environ.get("TMD_CONFIG")
+    if path:
+        return path
+    return DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None
+
+
+def _validate_plugins(cfg: config_mod.Config) -> None:
+    from tmd import plugins
+
+    plugins.configure("detectors", cfg.detectors, plugins.available("detectors"))
+    plugins.configure("policies", cfg.policies, plugins.available("policies"))
+
+
+def _run(config_path: str | None) -> int:
+    cfg = config_mod.load(_config_path(config_path))
+    log.setup(level=cfg.log.level, format=cfg.log.format)
+    from tmd.app import Daemon
+
+    async def serve() -> None:
+        daemon = Daemon(cfg)
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        await daemon.run()
+
+    try:
+        asyncio.run(serve())
+    except asyncio.CancelledError:
+        log.get("daemon").info("stopped")
+        return 0
+    return 1  # run() only returns by failing
+
+
+# -- API clients -------------------------------------------------------------------------
+
+
+def _api_base(args: argparse.Namespace) -> str:
+    if args.api:
+        return str(args.api).rstrip("/")
+    cfg = config_mod.load(_config_path(args.config))
+    host = "127.0.0.1" if cfg.api.host in ("0.0.0.0", "::", "") else cfg.api.host
+    return f"http://{host}:{cfg.api.port}"
+
+
+def _get(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return json.load(resp)
+    except urllib.error.URLError as exc:
+        raise TmdError(f"cannot reach the daemon at {url}: {exc.reason}") from None
+
+
+def _status(args: argparse.Namespace) -> int:
+    query = {"ranks": "1"}
+    if args.job:
+        query["job"] = args.job
+    data = _get(f"{_api_base(args)}/api/v1/status?{urllib.parse.urlencode(query)}")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from tmd.tables import render_status
+
+    print(render_status(data, all_ranks=args.ranks))
+    return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    query = {"limit": str(args.limit), "order": "desc"}
+    if args.job:
+        query["job"] = args.job
+    if args.kind:
+        query["kind"] = args.kind
+    data = _get(f"{_api_base(args)}/api/v1/events?{urllib.parse.urlencode(query)}")
+    rows = list(reversed(data["events"]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from tmd.tables import render_events
+
+    print(render_events(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,324 @@
+"""Configuration: one TOML file, a default for every key, ``TMD_*`` overrides.
+
+This is the only module that reads configuration files. Every section is a small
+frozen dataclass; ``load`` checks every key's type and range and raises
+``ConfigError`` naming the dotted key, so a bad config stops the daemon at start.
+
+Environment overrides use a double underscore between levels, the value parsed as
+the key's type: ``TMD_MQTT__PORT=8883``, ``TMD_API__TOKEN_FILE=/run/secrets/tmd``,
+``TMD_DETECTORS__STRAGGLER__THRESHOLD=0.8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tmd.errors import ConfigError
+
+ENV_PREFIX = "TMD_"
+T = typing.TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MqttConfig:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    # 3.1.1 by default: paho parses MQTT 5 properties on every message, which more
+    # than doubles the daemon's CPU per message. Shared subscriptions ($share) work
+    # with 3.1.1 clients on Mosquitto and EMQX.
+    protocol: Literal["3.1.1", "5"] = "3.1.1"
+    client_id: str = ""  # empty: "tmd-<hostname>-<pid>"
+    username: str = ""
+    password: str = ""
+    password_file: str = ""
+    tls: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    tls_insecure: bool = False
+    keepalive_s: float = 30.0
+    # MQTT 5 shared subscription group: several head nodes split the jobs between them.
+    shared_group: str = ""
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    connect_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        _check(1 <= self.port <= 65535, "mqtt.port", "must be in 1..65535")
+        _check(self.keepalive_s >= 5, "mqtt.keepalive_s", "must be >= 5")
+        _check(self.reconnect_min_s > 0, "mqtt.reconnect_min_s", "must be > 0")
+        _check(
+            self.reconnect_max_s >= self.reconnect_min_s,
+            "mqtt.reconnect_max_s",
+            "must be >= mqtt.reconnect_min_s",
+        )
+        _check(self.connect_timeout_s > 0, "mqtt.connect_timeout_s", "must be > 0")
+        if self.shared_group:
+            _check(
+                all(c not in self.shared_group for c in "/+#"),
+                "mqtt.shared_group",
+                "must not contain / + #",
+            )
+        if self.password and self.password_file:
+            raise ConfigError("mqtt.password_file", "set either mqtt.password or this, not both")
+        for key in ("password_file", "ca_file", "cert_file", "key_file"):
+            _check_file(f"mqtt.{key}", getattr(self, key))
+        if self.cert_file or self.key_file:
+            _check(self.tls, "mqtt.cert_file", "client certificates need mqtt.tls = true")
+            _check(bool(self.cert_file and self.key_file), "mqtt.key_file", "set both cert and key")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestConfig:
+    max_payload_bytes: int = 256 * 1024
+    # A job's retained status lists every member: ~20 bytes a rank, 333 KB at 16k ranks.
+    max_status_bytes: int = 32 << 20
+    window_steps: int = 128  # per-rank ring of recent steps the detectors read
+    max_ranks_per_job: int = 1 << 20  # bound for ranks of jobs whose status is not yet known
+    max_jobs: int = 1024
+    max_nodes: int = 65536
+    forget_after_s: float = 3600.0  # drop nodes and jobs silent this long
+    reject_log_interval_s: float = 60.0  # one log line per (topic kind, reason) per interval
+
+    def validate(self) -> None:
+        _check(
+            1024 <= self.max_payload_bytes <= 64 << 20,
+            "ingest.max_payload_bytes",
+            "must be in 1 KiB..64 MiB",
+        )
+        _check(
+            self.max_status_bytes >= self.max_payload_bytes,
+            "ingest.max_status_bytes",
+            "must be >= ingest.max_payload_bytes",
+        )
+        _check(8 <= self.window_steps <= 65536, "ingest.window_steps", "must be in 8..65536")
+        _check(self.max_ranks_per_job >= 1, "ingest.max_ranks_per_job", "must be >= 1")
+        _check(self.max_jobs >= 1, "ingest.max_jobs", "must be >= 1")
+        _check(self.max_nodes >= 1, "ingest.max_nodes", "must be >= 1")
+        _check(self.forget_after_s > 0, "ingest.forget_after_s", "must be > 0")
+        _check(self.reject_log_interval_s >= 0, "ingest.reject_log_interval_s", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 9464
+    token: str = ""
+    token_file: str = ""
+
+    def validate(self) -> None:
+        _check(0 <= self.port <= 65535, "api.port", "must be in 0..65535 (0: any free port)")
+        if self.token and self.token_file:
+            raise ConfigError("api.token_file", "set either api.token or this, not both")
+        _check_file("api.token_file", self.token_file)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JournalConfig:
+    # Empty: $STATE_DIRECTORY/journal.sqlite3 under systemd, else ./tmd-state/.
+    path: str = ""
+    retention_days: float = 30.0
+
+    def resolved_path(self) -> Path:
+        if self.path:
+            return Path(self.path)
+        state = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+        return Path(state or "tmd-state") / "journal.sqlite3"
+
+    def validate(self) -> None:
+        _check(self.retention_days > 0, "journal.retention_days", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    # Plug-in sections are checked by each plug-in's own Config when it is built.
+    detectors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "mqtt": MqttConfig,
+    "ingest": IngestConfig,
+    "api": ApiConfig,
+    "journal": JournalConfig,
+    "log": LogConfig,
+}
+_PLUGIN_SECTIONS = ("detectors", "policies")
+
+
+def load(path: str | Path | None = None, *, env: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (or nothing: all defaults), apply ``TMD_*`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(str(path), f"not valid TOML: {exc}") from None
+    _apply_env(raw, os.environ if env is None else env)
+    return from_dict(raw)
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    sections: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in _SECTIONS:
+            sections[name] = build_section(_SECTIONS[name], value, name)
+        elif name in _PLUGIN_SECTIONS:
+            sections[name] = _plugin_tables(value, name)
+        else:
+            raise ConfigError(name, f"unknown section (known: {', '.join(_known_sections())})")
+    config = Config(**sections)
+    for name in _SECTIONS:
+        getattr(config, name).validate()
+    return config
+
+
+def build_section(cls: type[T], value: Any, where: str) -> T:
+    """Build dataclass ``cls`` from a TOML table, checking every key's type."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(where, f"must be a table, got {type(value).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, item in value.items():
+        if key not in fields:
+            raise ConfigError(f"{where}.{key}", f"unknown key (known: {', '.join(sorted(fields))})")
+        kwargs[key] = _coerce(item, hints[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        errors = []
+        for arm in typing.get_args(hint):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as exc:
+                errors.append(exc.why)
+        raise ConfigError(key, " or ".join(errors))
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(key, f"must be empty, got {value!r}")
+        return None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"must be a number, got {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(key, f"must be finite, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, got {value!r}")
+        return value
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(key, f"must be a list, got {value!r}")
+        (arm, *_) = typing.get_args(hint) or (Any,)
+        items = [_coerce(v, arm, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin or hint) is tuple else items
+    if origin in (dict, Mapping) or hint is Any:
+        return value
+    raise ConfigError(key, f"unsupported type {hint!r}")  # a bug in a Config class
+
+
+def _plugin_tables(value: Any, where: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(where, f"must be a table of plug-in tables, got {type(value).__name__}")
+    tables = {}
+    for name, table in value.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where}.{name}", f"must be a table, got {type(table).__name__}")
+        tables[name] = dict(table)
+    return tables
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        if any(not part for part in path):
+            raise ConfigError(name, "empty level in environment override")
+        table = raw
+        for part in path[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(name, f"{part} is not a table")
+        table[path[-1]] = _parse_env_value(text, _hint_for(path))
+
+
+def _hint_for(path: list[str]) -> Any:
+    if len(path) == 2 and path[0] in _SECTIONS:
+        return typing.get_type_hints(_SECTIONS[path[0]]).get(path[1], str)
+    return Any  # plug-in keys: parsed as TOML scalars, checked by the plug-in
+
+
+def _parse_env_value(text: str, hint: Any) -> Any:
+    if hint is str or typing.get_origin(hint) is Literal:
+        return text
+    try:
+        return tomllib.loads(f"x = {text}")["x"]
+    except tomllib.TOMLDecodeError:
+        return text  # the type check names the key
+
+
+def _known_sections() -> list[str]:
+    return [*_SECTIONS, *_PLUGIN_SECTIONS]
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(key, why)
+
+
+def _check_file(key: str, path: str) -> None:
+    if path and not os.access(path, os.R_OK):
+        raise ConfigError(key, f"cannot read file {path!r}")
+
+
+def as_dict(config: Config) -> dict[str, Any]:
+    """The effective configuration, secrets masked (for ``tmd check-config``)."""
+    out = dataclasses.asdict(config)
+    for section, key in (("mqtt", "password"), ("api", "token")):
+        if out[section][key]:
+            out[section][key] = "***"
+    return out

@@ -1,0 +1,41 @@
+"""The one error tree of tmd. Third-party errors are translated into it at the edges."""
+
+from __future__ import annotations
+
+
+class TmdError(Exception):
+    """Base of every error tmd raises on purpose."""
+
+
+class ConfigError(TmdError):
+    """A configuration value is missing, of the wrong type or out of range.
+
+    ``key`` is the dotted path of the offending key (``mqtt.port``), so the message a
+    user sees at start names it.
+    """
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key}: {why}")
+        self.key = key
+        self.why = why
+
+
+class ProtocolError(TmdError):
+    """A message on the wire could not be accepted.
+
+    ``reason`` is a short, bounded label (``json``, ``schema``, ``version``, ...) used
+    as the ``reason`` label of ``tmd_messages_rejected_total``.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class MigrationError(TmdError):
+    """A migration step failed or timed out."""
+
+
+class PluginError(TmdError):
+    """A detector or policy could not be loaded or configured."""

@@ -1,0 +1,93 @@
+"""Internal events: what detectors found and what policies decided.
+
+Wire messages (``tmd.wire``) are what arrives; these are what tmd concludes. Facts are
+named in the past tense, commands in the imperative. Every event is a frozen struct
+with ``ts`` (seconds since the epoch, from the injected clock), so the journal stores
+it as JSON and the simulator replays it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class Event(msgspec.Struct, kw_only=True, frozen=True, tag=True):
+    ts: float
+
+
+class Finding(Event, kw_only=True, frozen=True):
+    """Something a detector concluded about a node or a rank."""
+
+    node: str
+    job: str = ""
+    detail: str = ""
+
+
+class GpuFault(Finding, kw_only=True, frozen=True):
+    """A GPU is unusable: fatal XID, volatile DBE, row-remap failure, fell off the bus."""
+
+    gpu: int
+    cause: str
+
+
+class GpuDegraded(Finding, kw_only=True, frozen=True):
+    """A GPU still works but is getting worse: throttling, pending remap, rising errors."""
+
+    gpu: int
+    cause: str
+
+
+class StragglerFound(Finding, kw_only=True, frozen=True):
+    slowdown: float  # 0.2 = 20% slower than its peers
+    confidence: float
+    since_step: int
+
+
+class StragglerCleared(Finding, kw_only=True, frozen=True):
+    pass
+
+
+class NodeLost(Finding, kw_only=True, frozen=True):
+    cause: Literal["last_will", "heartbeat"]
+
+
+class RankStalled(Finding, kw_only=True, frozen=True):
+    rank: int
+    last_step: int
+
+
+class Decision(Event, kw_only=True, frozen=True):
+    """What a policy wants done, always with the reason that is journaled."""
+
+    policy: str
+    reason: str
+
+
+class Migrate(Decision, kw_only=True, frozen=True):
+    """Replace ``node`` of ``job`` with standby ``to`` (None: the actuator picks)."""
+
+    job: str
+    node: str
+    to: str | None = None
+    when: Literal["now", "next_tick"] = "now"
+
+
+class Hold(Decision, kw_only=True, frozen=True):
+    """Decided to do nothing, and why (journaled so operators see the reasoning)."""
+
+    job: str = ""
+    node: str = ""
+
+
+ALL: tuple[type[Event], ...] = (
+    GpuFault,
+    GpuDegraded,
+    StragglerFound,
+    StragglerCleared,
+    NodeLost,
+    RankStalled,
+    Migrate,
+    Hold,
+)

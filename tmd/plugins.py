@@ -1,0 +1,214 @@
+"""Plug-ins (detectors and policies): the interface, the registry and the supervised
+runner that wraps every one of them.
+
+A plug-in is a class with a ``name``, a ``Config`` dataclass (its ``[detectors.NAME]``
+or ``[policies.NAME]`` table), the event types it ``consumes`` and an optional
+``tick_interval``. Its constructor validates and opens what it needs, so a bad config
+fails at start; ``observe`` and ``tick`` are plain synchronous functions that return
+new events, with the time passed in, so the simulator can drive them without asyncio.
+
+Built-ins are listed explicitly in ``tmd.detectors.BUILTIN`` / ``tmd.policies.BUILTIN``;
+third-party plug-ins come through the entry-point groups ``tmd.detectors`` and
+``tmd.policies``. One runner wraps every plug-in with timing, metrics and isolation:
+an exception restarts that plug-in (rebuilt from its config) after a back-off, and
+never touches the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib.metadata import entry_points
+from typing import Any, ClassVar, Literal
+
+from tmd import config as config_mod
+from tmd import events, log
+from tmd.bus import Bus
+from tmd.clock import Clock
+from tmd.errors import ConfigError, PluginError
+from tmd.metrics import Metrics
+from tmd.view import ClusterView
+
+Kind = Literal["detectors", "policies"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoConfig:
+    """For plug-ins without settings of their own."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a plug-in may read: the cluster view (read only, by convention) and time."""
+
+    view: ClusterView
+    clock: Clock
+
+
+class Plugin:
+    name: ClassVar[str]
+    Config: ClassVar[type[Any]] = NoConfig
+    consumes: ClassVar[tuple[type, ...]] = ()
+    tick_interval: ClassVar[timedelta | None] = None
+    enabled_by_default: ClassVar[bool] = True
+
+    def __init__(self, config: Any, *, context: Context) -> None:
+        self.config = config
+        self.context = context
+
+    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
+        return ()
+
+    def tick(self, now: float) -> Iterable[events.Event]:
+        return ()
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A configured, enabled plug-in: enough to (re)build it."""
+
+    kind: Kind
+    name: str
+    factory: type[Plugin]
+    config: Any
+
+    def build(self, context: Context) -> Plugin:
+        return self.factory(self.config, context=context)
+
+
+def available(kind: Kind) -> dict[str, type[Plugin]]:
+    """Built-ins plus entry-point plug-ins of ``kind``, by name."""
+    from tmd import detectors, policies
+
+    builtin = detectors.BUILTIN if kind == "detectors" else policies.BUILTIN
+    found: dict[str, type[Plugin]] = dict(builtin)
+    for ep in entry_points(group=f"tmd.{kind}"):
+        if ep.name in found:
+            raise PluginError(f"{kind} plug-in {ep.name!r} from {ep.value} shadows a built-in")
+        try:
+            cls = ep.load()
+        except Exception as exc:
+            raise PluginError(
+                f"cannot load {kind} plug-in {ep.name!r} ({ep.value}): {exc}"
+            ) from exc
+        if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+            raise PluginError(f"{kind} plug-in {ep.name!r} ({ep.value}) is not a Plugin class")
+        found[ep.name] = cls
+    return found
+
+
+def configure(
+    kind: Kind, tables: Mapping[str, Mapping[str, Any]], known: Mapping[str, type[Plugin]]
+) -> list[Spec]:
+    """Specs of the enabled plug-ins, every table checked against its plug-in's Config."""
+    for name in tables:
+        if name not in known:
+            raise ConfigError(
+                f"{kind}.{name}", f"no such plug-in (known: {', '.join(sorted(known)) or 'none'})"
+            )
+    specs = []
+    for name, factory in sorted(known.items()):
+        table = dict(tables.get(name, {}))
+        enabled = table.pop("enabled", factory.enabled_by_default)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{kind}.{name}.enabled", f"must be true or false, got {enabled!r}")
+        cfg = config_mod.build_section(factory.Config, table, f"{kind}.{name}")
+        validate = getattr(cfg, "validate", None)
+        if callable(validate):
+            validate()
+        if enabled:
+            specs.append(Spec(kind, name, factory, cfg))
+    return specs
+
+
+class Runner:
+    """Runs one plug-in forever: feed it batches, tick it, restart it when it fails."""
+
+    MIN_BACKOFF_S = 0.5
+    MAX_BACKOFF_S = 60.0
+    STABLE_AFTER_S = 300.0  # running this long resets the back-off
+
+    def __init__(
+        self,
+        spec: Spec,
+        *,
+        context: Context,
+        bus: Bus,
+        metrics: Metrics,
+        emit: Callable[[events.Event, str], None],
+    ) -> None:
+        self.spec = spec
+        self._context = context
+        self._bus = bus
+        self._metrics = metrics
+        self._emit = emit
+        self._log = log.get(spec.name)
+        self.restarts = 0
+        self.up = False
+
+    async def run(self) -> None:
+        label = self.spec.name
+        up = self._metrics.plugin_up.labels(plugin=label)
+        backoff = self.MIN_BACKOFF_S
+        while True:
+            started = time.monotonic()
+            try:
+                plugin = self.spec.build(self._context)
+                self.up = True
+                up.set(1)
+                await self._serve(plugin)
+            except asyncio.CancelledError:
+                self.up = False
+                up.set(0)
+                raise
+            except Exception:
+                self.up = False
+                up.set(0)
+                self.restarts += 1
+                self._metrics.plugin_restarts.labels(plugin=label).inc()
+                if time.monotonic() - started > self.STABLE_AFTER_S:
+                    backoff = self.MIN_BACKOFF_S
+                self._log.exception("plug-in failed; restarting", retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.MAX_BACKOFF_S)
+
+    async def _serve(self, plugin: Plugin) -> None:
+        clock = self._context.clock
+        timer = self._metrics.plugin_seconds.labels(plugin=self.spec.name)
+        interval = plugin.tick_interval.total_seconds() if plugin.tick_interval else None
+        sub = self._bus.subscribe(self.spec.name, plugin.consumes) if plugin.consumes else None
+        next_tick = clock.monotonic() + interval if interval else None
+        try:
+            while True:
+                wait = None if next_tick is None else max(0.0, next_tick - clock.monotonic())
+                if sub is not None:
+                    batch = await sub.batch(wait)
+                else:
+                    await clock.sleep(wait if wait is not None else 3600.0)
+                    batch = []
+                if batch:
+                    with timer.time():
+                        for event in batch:
+                            self._publish(plugin.observe(event, clock.now()))
+                if next_tick is not None and clock.monotonic() >= next_tick:
+                    with timer.time():
+                        self._publish(plugin.tick(clock.now()))
+                    next_tick += interval or 0.0
+                    next_tick = max(next_tick, clock.monotonic())
+        finally:
+            if sub is not None:
+                self._bus.unsubscribe(sub)
+
+    def _publish(self, out: Iterable[events.Event]) -> None:
+        for event in out:
+            if not isinstance(event, events.Event):
+                raise PluginError(f"{self.spec.name} returned {type(event).__name__}, not an Event")
+            self._emit(event, self.spec.name)
+
+
+def describe(specs: Iterable[Spec]) -> list[dict[str, Any]]:
+    return [{"kind": s.kind, "name": s.name, "config": dataclasses.asdict(s.config)} for s in specs]

@@ -1,0 +1,187 @@
+"""Synthetic telemetry: many simulated ranks and nodes publishing real v1 messages.
+
+Used by ``tmd bench ingest`` (load) and the demo (a job with a slow rank). It runs in
+its own process with a plain paho-mqtt client, so the publisher's CPU never counts
+against the daemon it measures. Rank ``r`` of ``N`` publishes at phase ``r/N`` of
+each flush interval, so the load is spread evenly over time as real ranks' are.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+
+from tmd import wire
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynthSpec:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    job: str = "synth"
+    ranks: int = 8
+    ranks_per_node: int = 8
+    step_s: float = 1.0
+    flush_s: float = 1.0  # the runtime's telemetry flush interval
+    seconds: float = 10.0
+    gpu_health: bool = True  # one NodeGpu sample per node per second
+    slow: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown (1.3 = +30%)
+    seed: int = 0
+
+
+@dataclass
+class SynthResult:
+    messages: int = 0
+    rank_steps: int = 0
+    gpu_messages: int = 0
+    max_behind_s: float = 0.0  # how far the publisher fell behind its schedule
+    elapsed_s: float = 0.0
+
+
+def node_of(rank: int, ranks_per_node: int) -> str:
+    return f"node-{rank // ranks_per_node:05d}"
+
+
+def step_timing(
+    step: int, end: float, step_s: float, slowdown: float, rng: random.Random
+) -> wire.StepTiming:
+    """One plausible data-parallel step: the slow rank computes longer, the others wait
+    longer in the all-reduce, so every rank's step time is alike."""
+    compute = step_s * 0.6 * slowdown * rng.uniform(0.97, 1.03)
+    optimizer = step_s * 0.05
+    data = step_s * 0.02
+    allreduce = max(0.0, step_s - compute - optimizer - data)
+    return wire.StepTiming(step, end, step_s, compute, allreduce, optimizer, data)
+
+
+def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
+    """Publish for ``spec.seconds``; put the SynthResult on ``results`` if given."""
+    client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    client.max_queued_messages_set(0)
+    client.connect(spec.host, spec.port, keepalive=60)
+    client.loop_start()
+    rng = random.Random(spec.seed)
+    n = spec.ranks
+    nodes = (n + spec.ranks_per_node - 1) // spec.ranks_per_node
+    out = SynthResult()
+    members = [wire.Member(r, node_of(r, spec.ranks_per_node)) for r in range(n)]
+    t0 = time.time()
+    status = wire.JobStatus(ts=t0, job=spec.job, generation=0, world_size=n, members=members)
+    client.publish(wire.job_topic(spec.job, "status"), wire.encode(status), qos=1, retain=True)
+    iter_topics = [wire.iter_topic(spec.job, r) for r in range(n)]
+    gpu_topics = [
+        wire.node_topic(node_of(i * spec.ranks_per_node, spec.ranks_per_node), "gpu")
+        for i in range(nodes)
+    ]
+    next_step = [1] * n
+    sent_ranks = 0  # ranks published in the current flush period
+    sent_nodes = 0
+    period = 0
+    gpu_period = 0
+    start = time.monotonic()
+    while True:
+        now_m = time.monotonic() - start
+        if now_m >= spec.seconds:
+            break
+        # Ranks due in this flush period, by phase.
+        due = min(n, int((now_m - period * spec.flush_s) / spec.flush_s * n) + 1)
+        while sent_ranks < due:
+            r = sent_ranks
+            behind = now_m - (period * spec.flush_s + r / n * spec.flush_s)
+            out.max_behind_s = max(out.max_behind_s, behind)
+            now = time.time()
+            steps: list[wire.StepTiming] = []
+            while True:
+                k = next_step[r]
+                end = t0 + (k + r / n) * spec.step_s
+                if end > now or len(steps) >= wire.MAX_STEPS_PER_BATCH:
+                    break
+                steps.append(step_timing(k, end, spec.step_s, spec.slow.get(r, 1.0), rng))
+                next_step[r] = k + 1
+            if steps:
+                batch = wire.IterBatch(
+                    ts=now, job=spec.job, rank=r, node=members[r].node, steps=steps
+                )
+                client.publish(iter_topics[r], wire.encode(batch), qos=0)
+                out.messages += 1
+                out.rank_steps += len(steps)
+            sent_ranks += 1
+        if sent_ranks >= n:
+            sent_ranks = 0
+            period += 1
+        if spec.gpu_health:
+            due_nodes = min(nodes, int((now_m - gpu_period) * nodes) + 1)
+            while sent_nodes < due_nodes:
+                i = sent_nodes
+                sample = wire.NodeGpu(
+                    ts=time.time(),
+                    node=node_of(i * spec.ranks_per_node, spec.ranks_per_node),
+                    gpus=[
+                        wire.GpuSample(
+                            index=g,
+                            temp_c=55.0 + rng.random() * 10,
+                            power_w=400.0,
+                            util_pct=97.0,
+                            clock_event_reasons=0,
+                        )
+                        for g in range(min(8, spec.ranks_per_node))
+                    ],
+                )
+                client.publish(gpu_topics[i], wire.encode(sample), qos=0)
+                out.messages += 1
+                out.gpu_messages += 1
+                sent_nodes += 1
+            if sent_nodes >= nodes:
+                sent_nodes = 0
+                gpu_period += 1
+        time.sleep(0.002)
+    out.elapsed_s = time.monotonic() - start
+    # Wait until paho has handed everything to the socket.
+    deadline = time.monotonic() + 30
+    while client.want_write() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    client.loop_stop()
+    client.disconnect()
+    if results is not None:
+        results.put(out)
+    return out
+
+
+def heartbeat_agent(
+    host: str,
+    port: int,
+    node: str,
+    role: Literal["worker", "standby"] = "standby",
+    *,
+    interval_s: float = 1.0,
+) -> None:
+    """A stand-in node agent: retained ``online`` status with an ``offline`` Last Will,
+    then one GPU-less sample per ``interval_s`` as heartbeat, until killed. Run it in a
+    process and SIGKILL it to make the broker deliver the Last Will."""
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"agent-{node}")
+    offline = wire.NodeStatus(ts=time.time(), node=node, state="offline")
+    client.will_set(wire.node_topic(node, "status"), wire.encode(offline), qos=1, retain=True)
+    client.connect(host, port, keepalive=5)
+    client.loop_start()
+    online = wire.NodeStatus(ts=time.time(), node=node, state="online", role=role)
+    client.publish(wire.node_topic(node, "status"), wire.encode(online), qos=1, retain=True)
+    while True:
+        beat = wire.NodeGpu(ts=time.time(), node=node)
+        client.publish(wire.node_topic(node, "gpu"), wire.encode(beat), qos=0)
+        time.sleep(interval_s)
+
+
+def start(spec: SynthSpec) -> tuple[mp.process.BaseProcess, Any]:
+    """Run ``publish`` in a new process; returns (process, queue for the result)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=publish, args=(spec, results), name="tmd-synth", daemon=True)
+    proc.start()
+    return proc, results

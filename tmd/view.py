@@ -1,0 +1,305 @@
+"""The cluster view: jobs, their ranks and nodes, nodes and their GPUs, standbys.
+
+Memory is bounded: each rank keeps a fixed ring of its last ``window`` steps, each
+node its latest GPU sample and a short XID history, and the counts of jobs and nodes
+are capped. Each message costs O(its own size), independent of how many ranks exist.
+Step reports may arrive twice, late or out of order: a step lands in the ring slot
+``step % window``, a slot already holding that step is a duplicate, and a step older
+than the ring is too late to matter and is dropped.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tmd import wire
+from tmd.errors import ProtocolError
+
+# Order of the per-step durations stored in RankState.timings.
+TIMING_FIELDS = ("step_s", "compute_s", "allreduce_s", "optimizer_s", "data_s")
+_NF = len(TIMING_FIELDS)
+
+
+class RankState:
+    """One rank's recent steps, in a ring indexed by ``step % window``."""
+
+    __slots__ = (
+        "duplicates",
+        "end_ts",
+        "generation",
+        "last_seen",
+        "last_step",
+        "late",
+        "node",
+        "rank",
+        "steps",
+        "timings",
+        "total_steps",
+        "window",
+    )
+
+    def __init__(self, rank: int, node: str, window: int) -> None:
+        self.rank = rank
+        self.node = node
+        self.window = window
+        self.generation = 0
+        self.steps = array("q", [-1]) * window
+        self.end_ts = array("d", [0.0]) * window
+        self.timings = array("f", [0.0]) * (window * _NF)
+        self.last_step = -1
+        self.last_seen = 0.0
+        self.total_steps = 0
+        self.duplicates = 0
+        self.late = 0
+
+    def add(self, s: wire.StepTiming) -> Literal["ok", "duplicate", "late"]:
+        step = s.step
+        if step <= self.last_step - self.window:
+            self.late += 1
+            return "late"
+        slot = step % self.window
+        if self.steps[slot] == step:
+            self.duplicates += 1
+            return "duplicate"
+        self.steps[slot] = step
+        self.end_ts[slot] = s.end_ts
+        base = slot * _NF
+        t = self.timings
+        t[base] = s.step_s
+        t[base + 1] = s.compute_s
+        t[base + 2] = s.allreduce_s
+        t[base + 3] = s.optimizer_s
+        t[base + 4] = s.data_s
+        if step > self.last_step:
+            self.last_step = step
+        self.total_steps += 1
+        return "ok"
+
+    def recent(self, field_name: str = "compute_s", *, last: int | None = None) -> list[float]:
+        """Values of ``field_name`` for the held steps, oldest first."""
+        offset = TIMING_FIELDS.index(field_name)
+        held = sorted(
+            (step, slot)
+            for slot, step in enumerate(self.steps)
+            if step >= 0 and step > self.last_step - self.window
+        )
+        if last is not None:
+            held = held[-last:]
+        return [self.timings[slot * _NF + offset] for _, slot in held]
+
+
+@dataclass
+class JobView:
+    job: str
+    world_size: int | None = None
+    generation: int = 0
+    state: str = "unknown"
+    step: int = 0
+    members: dict[int, str] = field(default_factory=dict)
+    standbys: dict[str, wire.StandbyInfo] = field(default_factory=dict)
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    last_seen: float = 0.0
+    status_ts: float = 0.0
+
+
+@dataclass
+class NodeView:
+    node: str
+    state: str = "unknown"
+    role: str = "worker"
+    gpus: list[wire.GpuInfo] = field(default_factory=list)
+    sample: wire.NodeGpu | None = None
+    xids: deque[wire.XidEvent] = field(default_factory=lambda: deque(maxlen=32))
+    last_seen: float = 0.0
+    status_ts: float = 0.0
+
+
+@dataclass
+class StepsApplied:
+    accepted: int = 0
+    duplicate: int = 0
+    late: int = 0
+
+
+class ClusterView:
+    def __init__(
+        self,
+        *,
+        window_steps: int = 128,
+        max_ranks_per_job: int = 1 << 20,
+        max_jobs: int = 1024,
+        max_nodes: int = 65536,
+    ) -> None:
+        self.window_steps = window_steps
+        self.max_ranks_per_job = max_ranks_per_job
+        self.max_jobs = max_jobs
+        self.max_nodes = max_nodes
+        self.jobs: dict[str, JobView] = {}
+        self.nodes: dict[str, NodeView] = {}
+        self.total_ranks = 0
+
+    # -- apply: one per wire type, each O(size of the message) ---------------------------
+
+    def apply_iter(self, batch: wire.IterBatch, now: float) -> StepsApplied:
+        job = self._job(batch.job, now)
+        rank = batch.rank
+        bound = job.world_size if job.world_size is not None else self.max_ranks_per_job
+        if rank >= bound:
+            raise ProtocolError("rank", f"rank {rank} out of range for job {batch.job} (< {bound})")
+        state = job.ranks.get(rank)
+        if state is None:
+            state = job.ranks[rank] = RankState(rank, batch.node, self.window_steps)
+            self.total_ranks += 1
+        state.node = batch.node
+        state.generation = batch.generation
+        state.last_seen = now
+        job.last_seen = now
+        out = StepsApplied()
+        for s in batch.steps:
+            result = state.add(s)
+            if result == "ok":
+                out.accepted += 1
+            elif result == "duplicate":
+                out.duplicate += 1
+            else:
+                out.late += 1
+        return out
+
+    def apply_job_status(self, status: wire.JobStatus, now: float) -> None:
+        # Applied in arrival order: the broker's order per topic is the truth (a Last
+        # Will composed at connect time carries an older ts than what it replaces).
+        job = self._job(status.job, now)
+        job.status_ts = status.ts
+        job.world_size = status.world_size
+        job.generation = status.generation
+        job.state = status.state
+        job.step = status.step
+        job.members = {m.rank: m.node for m in status.members}
+        job.standbys = {s.node: s for s in status.standbys}
+        for rank in [r for r in job.ranks if r >= status.world_size]:
+            del job.ranks[rank]
+            self.total_ranks -= 1
+
+    def apply_node_status(self, status: wire.NodeStatus, now: float) -> None:
+        node = self._node(status.node, now)
+        node.status_ts = status.ts
+        node.state = status.state
+        node.role = status.role
+        if status.gpus:
+            node.gpus = list(status.gpus)
+
+    def apply_gpu(self, sample: wire.NodeGpu, now: float) -> None:
+        node = self._node(sample.node, now)
+        node.sample = sample
+        if node.state != "online":
+            node.state = "online"  # a sample proves the agent is alive
+
+    def apply_xid(self, event: wire.XidEvent, now: float) -> None:
+        self._node(event.node, now).xids.append(event)
+
+    def _job(self, name: str, now: float) -> JobView:
+        job = self.jobs.get(name)
+        if job is None:
+            if len(self.jobs) >= self.max_jobs:
+                raise ProtocolError("limit", f"more than {self.max_jobs} jobs (ingest.max_jobs)")
+            job = self.jobs[name] = JobView(name)
+        job.last_seen = now
+        return job
+
+    def _node(self, name: str, now: float) -> NodeView:
+        node = self.nodes.get(name)
+        if node is None:
+            if len(self.nodes) >= self.max_nodes:
+                raise ProtocolError("limit", f"more than {self.max_nodes} nodes (ingest.max_nodes)")
+            node = self.nodes[name] = NodeView(name)
+        node.last_seen = now
+        return node
+
+    # -- housekeeping and reading --------------------------------------------------------
+
+    def forget_job(self, name: str) -> bool:
+        job = self.jobs.pop(name, None)
+        if job is None:
+            return False
+        self.total_ranks -= len(job.ranks)
+        return True
+
+    def forget_silent(self, now: float, after_s: float) -> tuple[int, int]:
+        """Drop jobs and nodes silent for ``after_s``; returns how many of each."""
+        old_jobs = [j for j, v in self.jobs.items() if now - v.last_seen > after_s]
+        for name in old_jobs:
+            self.total_ranks -= len(self.jobs.pop(name).ranks)
+        old_nodes = [n for n, v in self.nodes.items() if now - v.last_seen > after_s]
+        for name in old_nodes:
+            del self.nodes[name]
+        return len(old_jobs), len(old_nodes)
+
+    def total_steps(self) -> int:
+        return sum(r.total_steps for j in self.jobs.values() for r in j.ranks.values())
+
+    def snapshot(self, now: float, *, job: str | None = None, ranks: bool = True) -> dict[str, Any]:
+        """A JSON-able picture for the API and ``tmd status``."""
+        jobs = [v for k, v in sorted(self.jobs.items()) if job is None or k == job]
+        return {
+            "ts": now,
+            "jobs": [_job_json(j, now, ranks=ranks) for j in jobs],
+            "nodes": [_node_json(n, now) for _, n in sorted(self.nodes.items())],
+            "totals": {"jobs": len(self.jobs), "nodes": len(self.nodes), "ranks": self.total_ranks},
+        }
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _job_json(j: JobView, now: float, *, ranks: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "job": j.job,
+        "state": j.state,
+        "world_size": j.world_size,
+        "generation": j.generation,
+        "step": max((r.last_step for r in j.ranks.values()), default=j.step),
+        "reporting_ranks": len(j.ranks),
+        "standbys": [
+            {"node": s.node, "state": s.state, "warmup_s": s.warmup_s} for s in j.standbys.values()
+        ],
+        "last_seen_s": round(now - j.last_seen, 3),
+    }
+    if ranks:
+        out["ranks"] = [
+            {
+                "rank": r.rank,
+                "node": j.members.get(r.rank, r.node),
+                "last_step": r.last_step,
+                "last_seen_s": round(now - r.last_seen, 3),
+                "median_step_s": _median(r.recent("step_s", last=32)),
+                "median_compute_s": _median(r.recent("compute_s", last=32)),
+                "duplicates": r.duplicates,
+                "late": r.late,
+            }
+            for _, r in sorted(j.ranks.items())
+        ]
+    return out
+
+
+def _node_json(n: NodeView, now: float) -> dict[str, Any]:
+    sample = n.sample
+    return {
+        "node": n.node,
+        "state": n.state,
+        "role": n.role,
+        "gpus": len(n.gpus) or (len(sample.gpus) if sample else 0),
+        "last_seen_s": round(now - n.last_seen, 3),
+        "max_temp_c": max((g.temp_c for g in sample.gpus if g.temp_c is not None), default=None)
+        if sample
+        else None,
+        "last_xid": (
+            {"gpu": n.xids[-1].gpu, "xid": n.xids[-1].xid, "ts": n.xids[-1].ts} if n.xids else None
+        ),
+    }

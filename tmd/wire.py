@@ -1,0 +1,292 @@
+"""Wire types of protocol version 1: every MQTT topic and payload of tmd, declared once.
+
+The agent, the training runtime and the daemon all encode and decode with this
+module, so it imports nothing but msgspec. Payloads are JSON objects carrying ``v``
+(schema version) and ``ts`` (seconds since the epoch, sender's clock). Additive
+changes keep ``v = 1``: unknown fields are ignored, so old daemons read new agents.
+Every number that arrives from outside is bounded here, so a decoded message is
+safe to use: durations are finite and non-negative, ranks and lists are bounded,
+names are single topic segments.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from tmd.errors import ProtocolError
+
+VERSION: Final = 1
+PREFIX: Final = "tmd/v1"
+
+# -- bounded scalar types --------------------------------------------------------------
+
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+"""A node, job or migration name: one MQTT topic segment, no wildcards."""
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
+Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+GpuIndex = Annotated[int, msgspec.Meta(ge=0, lt=64)]
+
+MAX_STEPS_PER_BATCH: Final = 1024
+MAX_GPUS_PER_NODE: Final = 64
+MAX_MEMBERS: Final = 1 << 20
+
+
+class Message(msgspec.Struct, kw_only=True, frozen=True):
+    """Fields every payload carries."""
+
+    v: int = VERSION
+    ts: Timestamp
+
+
+# -- node: agent -> daemon -------------------------------------------------------------
+
+
+class GpuInfo(msgspec.Struct, kw_only=True, frozen=True):
+    index: GpuIndex
+    uuid: str = ""
+    name: str = ""
+    memory_mb: Count | None = None
+
+
+class NodeStatus(Message, kw_only=True, frozen=True):
+    """``tmd/v1/node/{node}/status``, QoS 1, retained; also the agent's Last Will."""
+
+    node: Name
+    state: Literal["online", "offline"]
+    role: Literal["worker", "standby"] = "worker"
+    gpus: Annotated[list[GpuInfo], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] = []
+    hostname: str = ""
+    agent: str = ""
+
+
+class GpuSample(msgspec.Struct, kw_only=True, frozen=True):
+    """One NVML sample of one GPU. ``None`` means the device does not support it."""
+
+    index: GpuIndex
+    temp_c: float | None = None
+    power_w: float | None = None
+    util_pct: float | None = None
+    mem_used_mb: Count | None = None
+    clock_event_reasons: Count | None = None  # nvmlDeviceGetCurrentClocksEventReasons bitmask
+    ecc_sbe_volatile: Count | None = None
+    ecc_dbe_volatile: Count | None = None
+    ecc_sbe_aggregate: Count | None = None
+    ecc_dbe_aggregate: Count | None = None
+    retired_pages_pending: bool | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    nvlink_replay: Count | None = None  # summed over links
+    nvlink_recovery: Count | None = None
+    nvlink_crc: Count | None = None
+    pcie_replay: Count | None = None
+    recovery_action: Count | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+
+
+class NodeGpu(Message, kw_only=True, frozen=True):
+    """``tmd/v1/node/{node}/gpu``, QoS 0: one sample of every GPU; doubles as heartbeat."""
+
+    node: Name
+    gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] = []
+
+
+class XidEvent(Message, kw_only=True, frozen=True):
+    """``tmd/v1/node/{node}/xid``, QoS 1. ``ts`` is when the driver reported it."""
+
+    node: Name
+    gpu: GpuIndex
+    xid: Count
+    detail: str = ""
+
+
+# -- job: runtime -> daemon ------------------------------------------------------------
+
+
+class StepTiming(msgspec.Struct, array_like=True, frozen=True):
+    """One training step of one rank, sent as a JSON array to keep batches small:
+    ``[step, end_ts, step_s, compute_s, allreduce_s, optimizer_s, data_s]``.
+
+    ``compute_s`` is forward + backward; ``allreduce_s`` the time spent waiting in
+    gradient collectives. In data-parallel training every rank waits for the slowest,
+    so ``step_s`` is alike everywhere and a slow machine shows in ``compute_s``.
+    """
+
+    step: Step
+    end_ts: Timestamp
+    step_s: Seconds
+    compute_s: Seconds
+    allreduce_s: Seconds
+    optimizer_s: Seconds
+    data_s: Seconds
+
+
+class IterBatch(Message, kw_only=True, frozen=True):
+    """``tmd/v1/job/{job}/rank/{rank}/iter``, QoS 0: the steps since the last batch."""
+
+    job: Name
+    rank: Rank
+    node: Name
+    generation: Count = 0
+    steps: Annotated[list[StepTiming], msgspec.Meta(min_length=1, max_length=MAX_STEPS_PER_BATCH)]
+
+
+class Member(msgspec.Struct, array_like=True, frozen=True):
+    """``[rank, node]``."""
+
+    rank: Rank
+    node: Name
+
+
+class StandbyInfo(msgspec.Struct, kw_only=True, frozen=True):
+    node: Name
+    state: Literal["warming", "ready", "joining", "failed"]
+    warmup_s: Seconds | None = None
+
+
+class JobStatus(Message, kw_only=True, frozen=True):
+    """``tmd/v1/job/{job}/status``, QoS 1, retained: who is in the job now."""
+
+    job: Name
+    generation: Count
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
+    members: Annotated[list[Member], msgspec.Meta(max_length=MAX_MEMBERS)]
+    standbys: list[StandbyInfo] = []
+    state: Literal["running", "migrating", "stopped"] = "running"
+    step: Step = 0
+
+
+# -- job control: daemon -> runtime, and acks back -------------------------------------
+
+
+class Prepare(Message, kw_only=True, frozen=True, tag_field="cmd", tag="prepare"):
+    """Phase 1: build the next group with ``joiner`` in place of ``leaver``."""
+
+    job: Name
+    migration_id: Name
+    leaver: Name  # node going out
+    joiner: Name  # standby node coming in
+    deadline_s: Seconds = 60.0
+
+
+class Switch(Message, kw_only=True, frozen=True, tag_field="cmd", tag="switch"):
+    """Phase 2: swap at ``at_step`` (None: the first boundary every member agrees on)."""
+
+    job: Name
+    migration_id: Name
+    at_step: Step | None = None
+
+
+class Abort(Message, kw_only=True, frozen=True, tag_field="cmd", tag="abort"):
+    job: Name
+    migration_id: Name
+    reason: str = ""
+
+
+Control = Prepare | Switch | Abort
+
+
+class Downtime(msgspec.Struct, kw_only=True, frozen=True):
+    """Where a switch's downtime went, as measured by the runtime."""
+
+    total_s: Seconds
+    stop_s: Seconds = 0.0
+    transfer_s: Seconds = 0.0
+    switch_s: Seconds = 0.0
+    first_step_s: Seconds = 0.0
+
+
+class Ack(Message, kw_only=True, frozen=True):
+    """``tmd/v1/job/{job}/ack``, QoS 1: a member's answer to a control message."""
+
+    job: Name
+    migration_id: Name
+    kind: Literal["prepared", "switched", "failed", "aborted"]
+    node: Name
+    rank: Rank | None = None
+    generation: Count | None = None
+    at_step: Step | None = None
+    downtime: Downtime | None = None
+    detail: str = ""
+
+
+# -- topics ----------------------------------------------------------------------------
+
+
+def node_topic(node: str, kind: Literal["status", "gpu", "xid"]) -> str:
+    return f"{PREFIX}/node/{node}/{kind}"
+
+
+def iter_topic(job: str, rank: int) -> str:
+    return f"{PREFIX}/job/{job}/rank/{rank}/iter"
+
+
+def job_topic(job: str, kind: Literal["status", "ctl", "ack"]) -> str:
+    return f"{PREFIX}/job/{job}/{kind}"
+
+
+SUBSCRIPTIONS: Final = (
+    f"{PREFIX}/node/+/status",
+    f"{PREFIX}/node/+/gpu",
+    f"{PREFIX}/node/+/xid",
+    f"{PREFIX}/job/+/rank/+/iter",
+    f"{PREFIX}/job/+/status",
+    f"{PREFIX}/job/+/ack",
+)
+"""What the daemon subscribes to (``ctl`` is the daemon's own output)."""
+
+# -- codec -----------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class _Header(msgspec.Struct):
+    v: Any = None
+
+
+_header_decoder = msgspec.json.Decoder(_Header)
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def decoder_for(kind: Any) -> msgspec.json.Decoder[Any]:
+    found = _decoders.get(kind)
+    if found is None:
+        found = _decoders[kind] = msgspec.json.Decoder(kind)
+    return found
+
+
+def decode(data: bytes, kind: Any) -> Any:
+    """Decode ``data`` as ``kind`` (a Struct type or the ``Control`` union).
+
+    Raises ProtocolError with reason ``json`` (not JSON), ``version`` (``v`` is not
+    1), ``schema`` (missing field, wrong type) or ``value`` (out of range, bad name,
+    too many items, unknown command).
+    """
+    try:
+        message = decoder_for(kind).decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
+        _raise_for_version(data)
+        if not isinstance(exc, msgspec.ValidationError):
+            raise ProtocolError("json", str(exc)) from None
+        text = str(exc)
+        reason = "schema" if ("missing required field" in text or ", got `" in text) else "value"
+        raise ProtocolError(reason, text) from None
+    if message.v != VERSION:
+        raise ProtocolError("version", f"unsupported schema version {message.v!r}")
+    return message
+
+
+def _raise_for_version(data: bytes) -> None:
+    try:
+        header = _header_decoder.decode(data)
+    except msgspec.DecodeError:
+        return
+    if header.v is not None and header.v != VERSION:
+        raise ProtocolError("version", f"unsupported schema version {header.v!r}")
