@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import Publisher
 from tmd import wire
 from tmd.broker import Mosquitto, free_port
-from tests.helpers import Publisher
 
 
 @pytest.fixture
@@ -29,9 +29,17 @@ def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
     sock.close()
 
 
-def tmd(*args: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tmd.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=env, **kw)  # type: ignore[call-overload, no-any-return]
+def tmd(
+    *args: str, env: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tmd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        **kw,
+    )  # type: ignore[call-overload, no-any-return]
 
 
 def read_datagrams(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
@@ -57,11 +65,20 @@ def test_run_notifies_ready_serves_and_stops_cleanly(
         f'[api]\nport = {api_port}\n[journal]\npath = "{tmp_path / "j.sqlite3"}"\n'
         "[detectors.node_lost]\nheartbeat_timeout_s = 2\n"
     )
-    env = {**os.environ, "NOTIFY_SOCKET": notify_socket.getsockname(),
-           "WATCHDOG_USEC": "2000000", "TMD_LOG__FORMAT": "json"}
+    env = {
+        **os.environ,
+        "NOTIFY_SOCKET": notify_socket.getsockname(),
+        "WATCHDOG_USEC": "2000000",
+        "TMD_LOG__FORMAT": "json",
+    }
     own_broker.stop()  # READY must wait for the broker
-    proc = subprocess.Popen([sys.executable, "-m", "tmd.cli", "run", "--config", str(config)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tmd.cli", "run", "--config", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         early = read_datagrams(notify_socket, "STATUS=connecting", 30)
         time.sleep(1.0)
@@ -72,10 +89,17 @@ def test_run_notifies_ready_serves_and_stops_cleanly(
 
         pub = Publisher(own_broker.host, own_broker.port)
         t = time.time()
-        batch = wire.IterBatch(ts=t, job="cli", rank=0, node="cli-node",
-                               steps=[wire.StepTiming(7, t, 1.0, 0.6, 0.3, 0.05, 0.05)])
+        batch = wire.IterBatch(
+            ts=t,
+            job="cli",
+            rank=0,
+            node="cli-node",
+            steps=[wire.StepTiming(7, t, 1.0, 0.6, 0.3, 0.05, 0.05)],
+        )
         pub.send(wire.iter_topic("cli", 0), wire.encode(batch))
-        pub.send(wire.node_topic("cli-node", "gpu"), wire.encode(wire.NodeGpu(ts=t, node="cli-node")))
+        pub.send(
+            wire.node_topic("cli-node", "gpu"), wire.encode(wire.NodeGpu(ts=t, node="cli-node"))
+        )
         pub.close()
         api = f"http://127.0.0.1:{api_port}"
         deadline = time.monotonic() + 20

@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import DaemonFactory
+from tests.helpers import Publisher, eventually
 from tmd import synth, wire
 from tmd.app import Daemon
 from tmd.broker import Mosquitto
-from tests.conftest import DaemonFactory
-from tests.helpers import Publisher, eventually
 
 
 def now() -> float:
@@ -28,7 +28,10 @@ def now() -> float:
 def iter_batch(job: str, rank: int, steps: range, *, node: str = "n0") -> wire.IterBatch:
     t = now()
     return wire.IterBatch(
-        ts=t, job=job, rank=rank, node=node,
+        ts=t,
+        job=job,
+        rank=rank,
+        node=node,
         steps=[wire.StepTiming(s, t, 1.0, 0.6, 0.3, 0.05, 0.05) for s in steps],
     )
 
@@ -50,18 +53,30 @@ async def test_valid_telemetry_lands_in_the_view(
 ) -> None:
     daemon = await start_daemon(broker)
     job = "valid"
-    status = wire.JobStatus(ts=now(), job=job, generation=3, world_size=2,
-                            members=[wire.Member(0, "va"), wire.Member(1, "vb")],
-                            standbys=[wire.StandbyInfo(node="vs", state="ready", warmup_s=2.5)])
+    status = wire.JobStatus(
+        ts=now(),
+        job=job,
+        generation=3,
+        world_size=2,
+        members=[wire.Member(0, "va"), wire.Member(1, "vb")],
+        standbys=[wire.StandbyInfo(node="vs", state="ready", warmup_s=2.5)],
+    )
     publisher.send(wire.job_topic(job, "status"), wire.encode(status), retain=True)
     publisher.send(wire.iter_topic(job, 0), wire.encode(iter_batch(job, 0, range(1, 4), node="va")))
     publisher.send(wire.iter_topic(job, 1), wire.encode(iter_batch(job, 1, range(1, 3), node="vb")))
-    publisher.send(wire.node_topic("va", "status"), wire.encode(
-        wire.NodeStatus(ts=now(), node="va", state="online", gpus=[wire.GpuInfo(index=0)])))
-    publisher.send(wire.node_topic("va", "gpu"), wire.encode(
-        wire.NodeGpu(ts=now(), node="va", gpus=[wire.GpuSample(index=0, temp_c=71.0)])))
-    publisher.send(wire.node_topic("va", "xid"), wire.encode(
-        wire.XidEvent(ts=now(), node="va", gpu=0, xid=79)))
+    publisher.send(
+        wire.node_topic("va", "status"),
+        wire.encode(
+            wire.NodeStatus(ts=now(), node="va", state="online", gpus=[wire.GpuInfo(index=0)])
+        ),
+    )
+    publisher.send(
+        wire.node_topic("va", "gpu"),
+        wire.encode(wire.NodeGpu(ts=now(), node="va", gpus=[wire.GpuSample(index=0, temp_c=71.0)])),
+    )
+    publisher.send(
+        wire.node_topic("va", "xid"), wire.encode(wire.XidEvent(ts=now(), node="va", gpu=0, xid=79))
+    )
 
     await eventually(lambda: daemon.view.nodes.get("va") and daemon.view.nodes["va"].xids)
     await eventually(lambda: job in daemon.view.jobs and len(daemon.view.jobs[job].ranks) == 2)
@@ -82,15 +97,27 @@ async def test_valid_telemetry_lands_in_the_view(
 BAD = [
     # (topic, payload, reason)
     ("tmd/v1/job/bad/rank/0/iter", b"{not json", "json"),
-    ("tmd/v1/job/bad/rank/0/iter", b'{"v":1,"ts":1,"job":"bad","rank":0,"node":"n","steps":'
-                                   b'[[1,1,NaN,0,0,0,0]]}', "json"),
-    ("tmd/v1/job/bad/rank/0/iter", b'{"v":1,"ts":"now","job":"bad","rank":0,"node":"n",'
-                                   b'"steps":[[1,1,1,1,0,0,0]]}', "schema"),
-    ("tmd/v1/job/bad/rank/0/iter", b'{"v":1,"ts":1,"rank":0,"node":"n","steps":[[1,1,1,1,0,0,0]]}',
-     "schema"),
+    (
+        "tmd/v1/job/bad/rank/0/iter",
+        b'{"v":1,"ts":1,"job":"bad","rank":0,"node":"n","steps":[[1,1,NaN,0,0,0,0]]}',
+        "json",
+    ),
+    (
+        "tmd/v1/job/bad/rank/0/iter",
+        b'{"v":1,"ts":"now","job":"bad","rank":0,"node":"n","steps":[[1,1,1,1,0,0,0]]}',
+        "schema",
+    ),
+    (
+        "tmd/v1/job/bad/rank/0/iter",
+        b'{"v":1,"ts":1,"rank":0,"node":"n","steps":[[1,1,1,1,0,0,0]]}',
+        "schema",
+    ),
     ("tmd/v1/job/bad/rank/0/iter", b'{"v":9,"ts":1,"job":"bad","rank":0}', "version"),
-    ("tmd/v1/job/bad/rank/0/iter", b'{"v":1,"ts":1,"job":"bad","rank":0,"node":"n","steps":'
-                                   b'[[1,1,-2.0,1,0,0,0]]}', "value"),
+    (
+        "tmd/v1/job/bad/rank/0/iter",
+        b'{"v":1,"ts":1,"job":"bad","rank":0,"node":"n","steps":[[1,1,-2.0,1,0,0,0]]}',
+        "value",
+    ),
     ("tmd/v1/job/bad/rank/0/iter", b"x" * 300_000, "oversize"),
     ("tmd/v1/job/bad/rank/0/iter", wire.encode(iter_batch("other", 0, range(1, 2))), "mismatch"),
     ("tmd/v1/job/bad/rank/5/iter", wire.encode(iter_batch("bad", 9, range(1, 2))), "mismatch"),
@@ -106,8 +133,13 @@ async def test_every_bad_payload_is_rejected_counted_and_the_daemon_keeps_servin
 ) -> None:
     daemon = await start_daemon(broker)
     # World size 4, so rank 99 is out of range.
-    status = wire.JobStatus(ts=now(), job="bad", generation=0, world_size=4,
-                            members=[wire.Member(r, f"b{r}") for r in range(4)])
+    status = wire.JobStatus(
+        ts=now(),
+        job="bad",
+        generation=0,
+        world_size=4,
+        members=[wire.Member(r, f"b{r}") for r in range(4)],
+    )
     publisher.send(wire.job_topic("bad", "status"), wire.encode(status))
     await eventually(lambda: daemon.view.jobs.get("bad") and daemon.view.jobs["bad"].world_size)
     # "topic" rejections need a subscription that matches them: the daemon's do not
@@ -131,7 +163,9 @@ async def test_every_bad_payload_is_rejected_counted_and_the_daemon_keeps_servin
 
 
 async def test_bad_messages_are_logged_once_per_interval(
-    broker: Mosquitto, publisher: Publisher, start_daemon: DaemonFactory,
+    broker: Mosquitto,
+    publisher: Publisher,
+    start_daemon: DaemonFactory,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from tmd import log
@@ -175,12 +209,22 @@ async def test_metrics_parse_with_the_prometheus_parser(
             assert resp.status == 200
             text = await resp.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("tmd_messages_received", "tmd_messages_rejected", "tmd_rank_steps",
-                 "tmd_ingest_latency_seconds", "tmd_mqtt_connected", "tmd_plugin_up",
-                 "tmd_plugin_restarts", "tmd_view_ranks"):
+    for name in (
+        "tmd_messages_received",
+        "tmd_messages_rejected",
+        "tmd_rank_steps",
+        "tmd_ingest_latency_seconds",
+        "tmd_mqtt_connected",
+        "tmd_plugin_up",
+        "tmd_plugin_restarts",
+        "tmd_view_ranks",
+    ):
         assert name in families, name
-    steps = {s.labels.get("outcome"): s.value for s in families["tmd_rank_steps"].samples
-             if s.name == "tmd_rank_steps_total"}
+    steps = {
+        s.labels.get("outcome"): s.value
+        for s in families["tmd_rank_steps"].samples
+        if s.name == "tmd_rank_steps_total"
+    }
     assert steps["accepted"] == 3
     up = {s.labels["plugin"]: s.value for s in families["tmd_plugin_up"].samples}
     assert up["node_lost"] == 1.0
@@ -196,7 +240,11 @@ async def test_mutating_requests_need_the_bearer_token(
     await eventually(lambda: "gone" in daemon.view.jobs)
     url = f"http://127.0.0.1:{daemon.api.port}/api/v1/jobs/gone"
     async with aiohttp.ClientSession() as http:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "t0ken-from-file"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "t0ken-from-file"},
+        ):
             async with http.delete(url, headers=headers) as resp:
                 assert resp.status == 401, headers
                 assert resp.headers["WWW-Authenticate"].startswith("Bearer")
@@ -231,8 +279,13 @@ async def test_killed_agent_last_will_becomes_a_journaled_node_lost(
     )
     agent.start()
     try:
-        await eventually(lambda: daemon.view.nodes.get("will-node")
-                         and daemon.view.nodes["will-node"].state == "online", timeout_s=20)
+        await eventually(
+            lambda: (
+                daemon.view.nodes.get("will-node")
+                and daemon.view.nodes["will-node"].state == "online"
+            ),
+            timeout_s=20,
+        )
         agent.kill()
         await eventually(lambda: daemon.view.nodes["will-node"].state == "offline")
     finally:

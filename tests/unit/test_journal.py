@@ -16,8 +16,10 @@ TS = 1_800_000_000.0
 def test_events_recorded_and_filtered(tmp_path: Path) -> None:
     j = Journal(tmp_path / "j.sqlite3")
     a = j.record(events.NodeLost(ts=TS, node="n1", cause="heartbeat"), source="node_lost")
-    b = j.record(events.Migrate(ts=TS + 1, policy="drain", reason="operator", job="job1",
-                                node="n1"), source="drain")
+    b = j.record(
+        events.Migrate(ts=TS + 1, policy="drain", reason="operator", job="job1", node="n1"),
+        source="drain",
+    )
     rows = j.events()
     assert [r.id for r in rows] == [a, b]
     assert rows[0].kind == "NodeLost" and rows[0].body["cause"] == "heartbeat"

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import eventually
 from tmd import events, plugins, wire
 from tmd.bus import Bus
 from tmd.clock import SystemClock
 from tmd.errors import ConfigError, PluginError
 from tmd.metrics import Metrics
 from tmd.view import ClusterView
-from tests.helpers import eventually
 
 TS = 1_800_000_000.0
 
@@ -42,11 +42,13 @@ def test_builtins_and_their_config() -> None:
 @pytest.fixture
 def third_party(tmp_path: Path) -> Iterator[None]:
     """A real installed distribution (dist-info on sys.path) exposing an entry point."""
-    (tmp_path / "acme_detect.py").write_text(textwrap.dedent("""
+    (tmp_path / "acme_detect.py").write_text(
+        textwrap.dedent("""
         from tmd.detectors import Detector
         class Thermal(Detector):
             name = "thermal"
-    """))
+    """)
+    )
     info = tmp_path / "acme_detect-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-detect\nVersion: 1.0\n")
@@ -118,8 +120,13 @@ async def test_failing_plugin_is_restarted_and_others_keep_running(
     out: list[tuple[str, events.Event]] = []
     context = plugins.Context(view=ClusterView(), clock=SystemClock())
     runners = [
-        plugins.Runner(plugins.Spec("detectors", cls.name, cls, cfg), context=context, bus=bus,
-                       metrics=metrics, emit=lambda e, src: out.append((src, e)))
+        plugins.Runner(
+            plugins.Spec("detectors", cls.name, cls, cfg),
+            context=context,
+            bus=bus,
+            metrics=metrics,
+            emit=lambda e, src: out.append((src, e)),
+        )
         for cls, cfg in ((Flaky, FlakyConfig()), (Steady, plugins.NoConfig()))
     ]
     tasks = [asyncio.create_task(r.run()) for r in runners]
@@ -156,7 +163,9 @@ async def test_plugin_returning_garbage_is_an_error(monkeypatch: pytest.MonkeyPa
     runner = plugins.Runner(
         plugins.Spec("detectors", "garbage", Garbage, plugins.NoConfig()),
         context=plugins.Context(view=ClusterView(), clock=SystemClock()),
-        bus=bus, metrics=Metrics(), emit=lambda e, s: None,
+        bus=bus,
+        metrics=Metrics(),
+        emit=lambda e, s: None,
     )
     task = asyncio.create_task(runner.run())
     await eventually(lambda: runner.up)

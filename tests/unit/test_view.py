@@ -14,7 +14,10 @@ TS = 1_800_000_000.0
 
 def batch(rank: int, steps: list[int], *, job: str = "j", compute: float = 0.5) -> wire.IterBatch:
     return wire.IterBatch(
-        ts=TS, job=job, rank=rank, node=f"n{rank}",
+        ts=TS,
+        job=job,
+        rank=rank,
+        node=f"n{rank}",
         steps=[wire.StepTiming(s, TS + s, 1.0, compute, 0.4, 0.05, 0.05) for s in steps],
     )
 
@@ -53,8 +56,13 @@ def test_rank_bound_comes_from_job_status() -> None:
     assert err.value.reason == "rank"
     view.apply_iter(batch(5, [1]), TS)
     view.apply_iter(batch(3, [1]), TS)
-    status = wire.JobStatus(ts=TS, job="j", generation=1, world_size=4,
-                            members=[wire.Member(r, f"n{r}") for r in range(4)])
+    status = wire.JobStatus(
+        ts=TS,
+        job="j",
+        generation=1,
+        world_size=4,
+        members=[wire.Member(r, f"n{r}") for r in range(4)],
+    )
     view.apply_job_status(status, TS)
     assert sorted(view.jobs["j"].ranks) == [3]  # rank 5 no longer exists
     assert view.total_ranks == 1

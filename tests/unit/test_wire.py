@@ -15,17 +15,39 @@ from tmd.errors import ProtocolError
 TS = 1_800_000_000.0
 
 GOOD = [
-    wire.NodeStatus(ts=TS, node="n1", state="online", role="standby",
-                    gpus=[wire.GpuInfo(index=0, uuid="GPU-1", name="H200")]),
+    wire.NodeStatus(
+        ts=TS,
+        node="n1",
+        state="online",
+        role="standby",
+        gpus=[wire.GpuInfo(index=0, uuid="GPU-1", name="H200")],
+    ),
     wire.NodeGpu(ts=TS, node="n1", gpus=[wire.GpuSample(index=0, temp_c=60.5, ecc_dbe_volatile=0)]),
     wire.XidEvent(ts=TS, node="n1", gpu=3, xid=79),
-    wire.IterBatch(ts=TS, job="j", rank=7, node="n1",
-                   steps=[wire.StepTiming(10, TS, 1.0, 0.6, 0.3, 0.05, 0.05)]),
-    wire.JobStatus(ts=TS, job="j", generation=2, world_size=2,
-                   members=[wire.Member(0, "a"), wire.Member(1, "b")],
-                   standbys=[wire.StandbyInfo(node="s", state="ready", warmup_s=3.0)]),
-    wire.Ack(ts=TS, job="j", migration_id="m1", kind="switched", node="s", rank=1,
-             downtime=wire.Downtime(total_s=0.2, transfer_s=0.01)),
+    wire.IterBatch(
+        ts=TS,
+        job="j",
+        rank=7,
+        node="n1",
+        steps=[wire.StepTiming(10, TS, 1.0, 0.6, 0.3, 0.05, 0.05)],
+    ),
+    wire.JobStatus(
+        ts=TS,
+        job="j",
+        generation=2,
+        world_size=2,
+        members=[wire.Member(0, "a"), wire.Member(1, "b")],
+        standbys=[wire.StandbyInfo(node="s", state="ready", warmup_s=3.0)],
+    ),
+    wire.Ack(
+        ts=TS,
+        job="j",
+        migration_id="m1",
+        kind="switched",
+        node="s",
+        rank=1,
+        downtime=wire.Downtime(total_s=0.2, transfer_s=0.01),
+    ),
 ]
 
 
@@ -34,11 +56,14 @@ def test_round_trip(message: wire.Message) -> None:
     assert wire.decode(wire.encode(message), type(message)) == message
 
 
-@pytest.mark.parametrize("command", [
-    wire.Prepare(ts=TS, job="j", migration_id="m1", leaver="a", joiner="s"),
-    wire.Switch(ts=TS, job="j", migration_id="m1", at_step=100),
-    wire.Abort(ts=TS, job="j", migration_id="m1", reason="operator"),
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        wire.Prepare(ts=TS, job="j", migration_id="m1", leaver="a", joiner="s"),
+        wire.Switch(ts=TS, job="j", migration_id="m1", at_step=100),
+        wire.Abort(ts=TS, job="j", migration_id="m1", reason="operator"),
+    ],
+)
 def test_control_union_decodes_by_cmd_tag(command: wire.Message) -> None:
     data = wire.encode(command)
     assert json.loads(data)["cmd"] in ("prepare", "switch", "abort")
@@ -46,30 +71,42 @@ def test_control_union_decodes_by_cmd_tag(command: wire.Message) -> None:
 
 
 def _iter(**changes: object) -> bytes:
-    body: dict[str, object] = {"v": 1, "ts": TS, "job": "j", "rank": 1, "node": "n",
-                               "steps": [[1, TS, 1.0, 0.5, 0.4, 0.05, 0.05]]}
+    body: dict[str, object] = {
+        "v": 1,
+        "ts": TS,
+        "job": "j",
+        "rank": 1,
+        "node": "n",
+        "steps": [[1, TS, 1.0, 0.5, 0.4, 0.05, 0.05]],
+    }
     body.update(changes)
     return json.dumps({k: v for k, v in body.items() if v is not ...}).encode()
 
 
-@pytest.mark.parametrize(("payload", "reason"), [
-    (b"not json", "json"),
-    (b'{"v": 1, "ts": 1', "json"),
-    (b'{"v":1,"ts":NaN,"job":"j","rank":1,"node":"n","steps":[]}', "json"),
-    (_iter(v=2), "version"),
-    (_iter(v=2, steps=...), "version"),  # a v2 payload shaped differently is still "version"
-    (_iter(job=...), "schema"),
-    (_iter(rank="one"), "schema"),
-    (b"[1, 2]", "schema"),
-    (_iter(rank=-1), "value"),
-    (_iter(rank=1 << 30), "value"),
-    (_iter(steps=[[1, TS, -0.5, 0.5, 0.4, 0.05, 0.05]]), "value"),  # negative duration
-    (_iter(steps=[[1, TS, 7.0, 0.5, 0.4, 0.05, 0.05]]).replace(b"7.0", b"1e400"), "value"),
-    (_iter(steps=[]), "value"),
-    (_iter(steps=[[1, TS, 1.0, 0.5, 0.4, 0.05, 0.05]] * (wire.MAX_STEPS_PER_BATCH + 1)), "value"),
-    (_iter(job="a/b"), "value"),  # not a single topic segment
-    (_iter(node="#"), "value"),
-])
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"not json", "json"),
+        (b'{"v": 1, "ts": 1', "json"),
+        (b'{"v":1,"ts":NaN,"job":"j","rank":1,"node":"n","steps":[]}', "json"),
+        (_iter(v=2), "version"),
+        (_iter(v=2, steps=...), "version"),  # a v2 payload shaped differently is still "version"
+        (_iter(job=...), "schema"),
+        (_iter(rank="one"), "schema"),
+        (b"[1, 2]", "schema"),
+        (_iter(rank=-1), "value"),
+        (_iter(rank=1 << 30), "value"),
+        (_iter(steps=[[1, TS, -0.5, 0.5, 0.4, 0.05, 0.05]]), "value"),  # negative duration
+        (_iter(steps=[[1, TS, 7.0, 0.5, 0.4, 0.05, 0.05]]).replace(b"7.0", b"1e400"), "value"),
+        (_iter(steps=[]), "value"),
+        (
+            _iter(steps=[[1, TS, 1.0, 0.5, 0.4, 0.05, 0.05]] * (wire.MAX_STEPS_PER_BATCH + 1)),
+            "value",
+        ),
+        (_iter(job="a/b"), "value"),  # not a single topic segment
+        (_iter(node="#"), "value"),
+    ],
+)
 def test_bad_payloads_are_rejected_with_their_reason(payload: bytes, reason: str) -> None:
     with pytest.raises(ProtocolError) as err:
         wire.decode(payload, wire.IterBatch)

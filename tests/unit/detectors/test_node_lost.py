@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.clock import FakeClock
 from tmd import events, wire
 from tmd.detectors.node_lost import NodeLostConfig, NodeLostDetector
 from tmd.plugins import Context
 from tmd.view import ClusterView
-from tests.fakes.clock import FakeClock
 
 T0 = 1_800_000_000.0
 
