@@ -204,10 +204,10 @@ async def test_metrics_parse_with_the_prometheus_parser(
     daemon = await start_daemon(broker)
     publisher.send(wire.iter_topic("metrics", 0), wire.encode(iter_batch("metrics", 0, range(3))))
     await eventually(lambda: "metrics" in daemon.view.jobs)
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"http://127.0.0.1:{daemon.api.port}/metrics") as resp:
-            assert resp.status == 200
-            text = await resp.text()
+    url = f"http://127.0.0.1:{daemon.api.port}/metrics"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        assert resp.status == 200
+        text = await resp.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in (
         "tmd_messages_received",
