@@ -8,6 +8,8 @@ connection and watch it come back.
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -35,7 +37,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Mosquitto:
-    def __init__(self, *, port: int = 0, host: str = "127.0.0.1", extra_config: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        listener_config: str = "",
+        allow_anonymous: bool = True,
+    ) -> None:
+        """``listener_config``: lines for the listener (``cafile``, ``certfile``, ...)."""
         binary = find_mosquitto()
         if binary is None:
             raise TmdError("mosquitto not found: install it (apt-get install -y mosquitto)")
@@ -47,11 +57,15 @@ class Mosquitto:
         self.log_path = Path(self._dir.name) / "mosquitto.log"
         self.config_path.write_text(
             f"listener {self.port} {host}\n"
-            "allow_anonymous true\n"
+            + listener_config
+            + f"\nallow_anonymous {'true' if allow_anonymous else 'false'}\n"
+            # Started as root, mosquitto switches to user "mosquitto", which cannot read
+            # the test's key files; stay who we are (ignored when not root).
+            f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
             "persistence false\n"
             "max_queued_messages 100000\n"
             "max_inflight_messages 0\n"
-            f"log_dest file {self.log_path}\n" + extra_config
+            f"log_dest file {self.log_path}\n"
         )
         self._proc: subprocess.Popen[bytes] | None = None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import secrets
 import socket
 import ssl
 from collections.abc import Callable
@@ -215,6 +216,11 @@ def _payload_bytes(message: aiomqtt.Message) -> bytes:
     return payload if isinstance(payload, bytes) else bytes(str(payload), "utf-8")
 
 
+def _default_client_id() -> str:
+    # Unique per connection: a broker drops the older of two clients with one id.
+    return f"tmd-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 def make_client(
     config: MqttConfig,
     *,
@@ -241,7 +247,7 @@ def make_client(
     return aiomqtt.Client(
         config.host,
         config.port,
-        identifier=identifier or config.client_id or f"tmd-{socket.gethostname()}-{os.getpid()}",
+        identifier=identifier or config.client_id or _default_client_id(),
         protocol=protocol,
         username=config.username or None,
         password=password or None,
