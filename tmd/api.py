@@ -9,11 +9,12 @@ open: bind the API to loopback (the default) or put it behind a proxy.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -22,7 +23,7 @@ from tmd.clock import Clock
 from tmd.config import ApiConfig
 from tmd.journal import Journal
 from tmd.metrics import Metrics
-from tmd.view import ClusterView
+from tmd.view import ClusterView, rank_rows
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -37,7 +38,7 @@ def read_token(config: ApiConfig) -> str:
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(
-        text=json.dumps(data, separators=(",", ":")), status=status, content_type="application/json"
+        body=msgspec.json.encode(data), status=status, content_type="application/json"
     )
 
 
@@ -121,7 +122,17 @@ class Api:
     async def _get_status(self, request: web.Request) -> web.Response:
         job = request.query.get("job") or None
         ranks = request.query.get("ranks", "1") not in ("0", "false", "no")
-        snapshot = self._view.snapshot(self._clock.now(), job=job, ranks=ranks)
+        now = self._clock.now()
+        snapshot = self._view.snapshot(now, job=job, ranks=False)
+        if ranks:
+            for j in snapshot["jobs"]:
+                view_job = self._view.jobs.get(j["job"])
+                j["ranks"] = []
+                if view_job is None:
+                    continue
+                for rows in rank_rows(view_job, now):
+                    j["ranks"].extend(rows)
+                    await asyncio.sleep(0)  # let ingest run between chunks
         snapshot["health"] = self._health()
         return _json(snapshot)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,16 +80,17 @@ class RankState:
         return "ok"
 
     def recent(self, field_name: str = "compute_s", *, last: int | None = None) -> list[float]:
-        """Values of ``field_name`` for the held steps, oldest first."""
+        """Values of ``field_name`` for the held steps among the last ``last`` (default:
+        the whole window), oldest first. O(last): the ring is walked in step order."""
         offset = TIMING_FIELDS.index(field_name)
-        held = sorted(
-            (step, slot)
-            for slot, step in enumerate(self.steps)
-            if step >= 0 and step > self.last_step - self.window
-        )
-        if last is not None:
-            held = held[-last:]
-        return [self.timings[slot * _NF + offset] for _, slot in held]
+        n = self.window if last is None else min(last, self.window)
+        steps, timings, window = self.steps, self.timings, self.window
+        out = []
+        for step in range(max(0, self.last_step - n + 1), self.last_step + 1):
+            slot = step % window
+            if steps[slot] == step:
+                out.append(timings[slot * _NF + offset])
+        return out
 
 
 @dataclass
@@ -251,6 +253,27 @@ class ClusterView:
         }
 
 
+def rank_rows(job: JobView, now: float, *, chunk: int = 1024) -> Iterator[list[dict[str, Any]]]:
+    """The API's per-rank rows in chunks, so a caller can yield to the event loop
+    between them (a 16k-rank job must not stall ingest)."""
+    ordered = sorted(job.ranks)
+    for start in range(0, len(ordered), chunk):
+        yield [_rank_json(job, job.ranks[r], now) for r in ordered[start : start + chunk]]
+
+
+def _rank_json(j: JobView, r: RankState, now: float) -> dict[str, Any]:
+    return {
+        "rank": r.rank,
+        "node": j.members.get(r.rank, r.node),
+        "last_step": r.last_step,
+        "last_seen_s": round(now - r.last_seen, 3),
+        "median_step_s": _median(r.recent("step_s", last=32)),
+        "median_compute_s": _median(r.recent("compute_s", last=32)),
+        "duplicates": r.duplicates,
+        "late": r.late,
+    }
+
+
 def _median(values: list[float]) -> float | None:
     if not values:
         return None
@@ -272,19 +295,7 @@ def _job_json(j: JobView, now: float, *, ranks: bool) -> dict[str, Any]:
         "last_seen_s": round(now - j.last_seen, 3),
     }
     if ranks:
-        out["ranks"] = [
-            {
-                "rank": r.rank,
-                "node": j.members.get(r.rank, r.node),
-                "last_step": r.last_step,
-                "last_seen_s": round(now - r.last_seen, 3),
-                "median_step_s": _median(r.recent("step_s", last=32)),
-                "median_compute_s": _median(r.recent("compute_s", last=32)),
-                "duplicates": r.duplicates,
-                "late": r.late,
-            }
-            for _, r in sorted(j.ranks.items())
-        ]
+        out["ranks"] = [row for rows in rank_rows(j, now) for row in rows]
     return out
 
 
