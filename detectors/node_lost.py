@@ -20,10 +20,13 @@ from tmd.plugins import Context
 @dataclass(frozen=True, kw_only=True)
 class NodeLostConfig:
     heartbeat_timeout_s: float = 15.0
+    forget_after_s: float = 3600.0  # a lost node silent this long is no longer tracked
 
     def validate(self) -> None:
         if not self.heartbeat_timeout_s > 0:
             raise ConfigError("detectors.node_lost.heartbeat_timeout_s", "must be > 0")
+        if not self.forget_after_s > self.heartbeat_timeout_s:
+            raise ConfigError("detectors.node_lost.forget_after_s", "must be > heartbeat_timeout_s")
 
 
 class NodeLostDetector(Detector):
@@ -35,27 +38,29 @@ class NodeLostDetector(Detector):
     def __init__(self, config: NodeLostConfig, *, context: Context) -> None:
         super().__init__(config, context=context)
         self._last_beat: dict[str, float] = {}
-        self._lost: set[str] = set()
+        self._lost: dict[str, float] = {}  # node -> when it was found lost
 
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:
         node = event.node
         if isinstance(event, wire.NodeStatus) and event.state == "offline":
             self._last_beat.pop(node, None)
             if node not in self._lost:
-                self._lost.add(node)
+                self._lost[node] = now
                 yield events.NodeLost(
                     ts=now, node=node, cause="last_will", detail="agent's Last Will: offline"
                 )
             return
-        self._lost.discard(node)
+        self._lost.pop(node, None)
         self._last_beat[node] = now
 
     def tick(self, now: float) -> Iterable[events.Event]:
         timeout = self.config.heartbeat_timeout_s
         silent = [n for n, t in self._last_beat.items() if now - t > timeout]
+        for node in [n for n, t in self._lost.items() if now - t > self.config.forget_after_s]:
+            del self._lost[node]
         for node in silent:
             del self._last_beat[node]
-            self._lost.add(node)
+            self._lost[node] = now
             yield events.NodeLost(
                 ts=now, node=node, cause="heartbeat", detail=f"no heartbeat for {timeout:g} s"
             )

@@ -14,11 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from tests.helpers import Publisher
 from tmd import config as config_mod
 from tmd.app import Daemon
 from tmd.broker import Mosquitto, find_mosquitto
+
+
+@pytest.fixture(autouse=True)
+def _default_logging() -> Iterator[None]:
+    """Tests that configure logging leave it as they found it."""
+    yield
+    structlog.reset_defaults()
 
 
 def _need_mosquitto() -> None:

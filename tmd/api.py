@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tmd import log
 from tmd.clock import Clock
 from tmd.config import ApiConfig
+from tmd.errors import ConfigError
 from tmd.journal import Journal
 from tmd.metrics import Metrics
 from tmd.view import ClusterView, rank_rows
@@ -31,8 +32,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def read_token(config: ApiConfig) -> str:
     if config.token_file:
-        with open(config.token_file) as f:
-            return f.read().strip()
+        try:
+            with open(config.token_file) as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ConfigError("api.token_file", f"cannot read: {exc.strerror}") from None
     return config.token
 
 

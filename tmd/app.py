@@ -38,6 +38,7 @@ class Daemon:
         self.view = ClusterView(
             window_steps=ing.window_steps,
             max_ranks_per_job=ing.max_ranks_per_job,
+            max_ranks=ing.max_ranks,
             max_jobs=ing.max_jobs,
             max_nodes=ing.max_nodes,
         )
@@ -99,8 +100,8 @@ class Daemon:
         }
 
     async def run(self) -> None:
-        await self.api.start()
         try:
+            await self.api.start()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.ingest.run(), name="ingest")
                 for runner in self.runners:

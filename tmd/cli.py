@@ -151,9 +151,9 @@ def _run(config_path: str | None) -> int:
 def _api_base(args: argparse.Namespace) -> str:
     if args.api:
         return str(args.api).rstrip("/")
-    cfg = config_mod.load(_config_path(args.config))
-    host = "127.0.0.1" if cfg.api.host in ("0.0.0.0", "::", "") else cfg.api.host
-    return f"http://{host}:{cfg.api.port}"
+    api = config_mod.api_address(_config_path(args.config))
+    host = "127.0.0.1" if api.host in ("0.0.0.0", "::", "") else api.host
+    return f"http://{host}:{api.port}"
 
 
 def _get(url: str) -> Any:

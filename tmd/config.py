@@ -71,6 +71,9 @@ class MqttConfig:
             raise ConfigError("mqtt.password_file", "set either mqtt.password or this, not both")
         for key in ("password_file", "ca_file", "cert_file", "key_file"):
             _check_file(f"mqtt.{key}", getattr(self, key))
+        for key in ("ca_file", "tls_insecure"):
+            if getattr(self, key) and not self.tls:
+                raise ConfigError(f"mqtt.{key}", "needs mqtt.tls = true (else it is ignored)")
         if self.cert_file or self.key_file:
             _check(self.tls, "mqtt.cert_file", "client certificates need mqtt.tls = true")
             _check(bool(self.cert_file and self.key_file), "mqtt.key_file", "set both cert and key")
@@ -82,7 +85,9 @@ class IngestConfig:
     # A job's retained status lists every member: ~20 bytes a rank, 333 KB at 16k ranks.
     max_status_bytes: int = 32 << 20
     window_steps: int = 128  # per-rank ring of recent steps the detectors read
-    max_ranks_per_job: int = 1 << 20  # bound for ranks of jobs whose status is not yet known
+    # About 5 KB a rank at the default window: the caps bound the view's memory.
+    max_ranks_per_job: int = 1 << 17  # bound for ranks of jobs whose status is not yet known
+    max_ranks: int = 1 << 17  # over all jobs
     max_jobs: int = 1024
     max_nodes: int = 65536
     forget_after_s: float = 3600.0  # drop nodes and jobs silent this long
@@ -101,6 +106,7 @@ class IngestConfig:
         )
         _check(8 <= self.window_steps <= 65536, "ingest.window_steps", "must be in 8..65536")
         _check(self.max_ranks_per_job >= 1, "ingest.max_ranks_per_job", "must be >= 1")
+        _check(self.max_ranks >= 1, "ingest.max_ranks", "must be >= 1")
         _check(self.max_jobs >= 1, "ingest.max_jobs", "must be >= 1")
         _check(self.max_nodes >= 1, "ingest.max_nodes", "must be >= 1")
         _check(self.forget_after_s > 0, "ingest.forget_after_s", "must be > 0")
@@ -170,17 +176,7 @@ _PLUGIN_SECTIONS = ("detectors", "policies")
 
 def load(path: str | Path | None = None, *, env: Mapping[str, str] | None = None) -> Config:
     """Read ``path`` (or nothing: all defaults), apply ``TMD_*`` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(str(path), f"not valid TOML: {exc}") from None
-    _apply_env(raw, os.environ if env is None else env)
-    return from_dict(raw)
+    return from_dict(_read(path, env))
 
 
 def from_dict(raw: Mapping[str, Any]) -> Config:
@@ -311,8 +307,28 @@ def _check(ok: bool, key: str, why: str) -> None:
 
 
 def _check_file(key: str, path: str) -> None:
-    if path and not os.access(path, os.R_OK):
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
         raise ConfigError(key, f"cannot read file {path!r}")
+
+
+def api_address(path: str | Path | None, *, env: Mapping[str, str] | None = None) -> ApiConfig:
+    """Only the ``[api]`` section, unvalidated: what ``tmd status`` needs to find the
+    daemon, without reading (or being allowed to read) the daemon's secret files."""
+    return build_section(ApiConfig, _read(path, env).get("api", {}), "api")
+
+
+def _read(path: str | Path | None, env: Mapping[str, str] | None) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(str(path), f"not valid TOML: {exc}") from None
+    _apply_env(raw, os.environ if env is None else env)
+    return raw
 
 
 def as_dict(config: Config) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import secrets
 import socket
 import ssl
@@ -29,7 +30,7 @@ from tmd import log, wire
 from tmd.bus import Bus
 from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
-from tmd.errors import ProtocolError
+from tmd.errors import ConfigError, ProtocolError
 from tmd.metrics import Metrics
 from tmd.view import ClusterView
 
@@ -45,6 +46,9 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 }
 
 
+_RANK: Final = re.compile(r"0|[1-9][0-9]{0,7}", re.ASCII)
+
+
 def classify(topic: str) -> tuple[str, str, int | None]:
     """``(kind, node or job, rank)`` of a v1 topic; ProtocolError ``topic`` otherwise."""
     parts = topic.split("/")
@@ -56,7 +60,7 @@ def classify(topic: str) -> tuple[str, str, int | None]:
             return _JOB_KINDS[parts[4]], parts[3], None
         if n == 7 and parts[2] == "job" and parts[4] == "rank" and parts[6] == "iter":
             text = parts[5]
-            if text.isdigit() and len(text) <= 8 and (text == "0" or text[0] != "0"):
+            if _RANK.fullmatch(text):
                 return "iter", parts[3], int(text)
             raise ProtocolError("topic", f"bad rank {text[:16]!r} in topic")
     raise ProtocolError("topic", "not a tmd v1 topic")
@@ -81,6 +85,7 @@ class Ingest:
         self._clock = clock
         self._log = log.get("ingest")
         self._reject_logged: dict[tuple[str, str], tuple[float, int]] = {}
+        self._client = ClientFactory(mqtt)
         self.subscribed = asyncio.Event()
         self.connected = False
         # Test and benchmark hook: called with (batch, now) after a batch is applied.
@@ -90,11 +95,20 @@ class Ingest:
 
     # -- the edge: one message in ----------------------------------------------------
 
-    def handle(self, topic: str, payload: bytes) -> None:
+    def handle(self, topic: str, payload: bytes, *, retained: bool = False) -> None:
+        """Decode, check and apply one message. Never raises: whatever goes wrong is
+        counted as a rejection (``internal`` for what the checks did not foresee).
+
+        A retained message is state, not news: it updates the view but is not put on
+        the bus, so a daemon restart does not replay old Last Wills as new losses
+        (policies reconcile such state from the view on their ticks)."""
         now = self._clock.now()
-        kind = "?"
+        kind = "unknown"
         try:
-            kind, owner, rank = classify(topic)
+            try:
+                kind, owner, rank = classify(topic)
+            finally:
+                self._metrics.received_by[kind].inc()
             limit = (
                 self._config.max_status_bytes
                 if kind == "job_status"
@@ -103,14 +117,19 @@ class Ingest:
             if len(payload) > limit:
                 raise ProtocolError("oversize", f"{len(payload)} bytes > {limit}")
             if not payload and kind in ("node_status", "job_status"):
-                return  # a retained message being cleared
+                if kind == "job_status":
+                    self._view.forget_job(owner)  # the job's retained status was cleared
+                return
             message = wire.decode(payload, _TYPES[kind])
-            self._metrics.received_by[kind].inc()
-            self._apply(kind, owner, rank, message, now)
+            self._apply(kind, owner, rank, message, now, publish=not retained)
         except ProtocolError as exc:
             self._reject(topic, kind, exc, now)
+        except Exception as exc:  # a bug, not bad input: count it, keep serving
+            self._reject(topic, kind, ProtocolError("internal", repr(exc)), now)
 
-    def _apply(self, kind: str, owner: str, rank: int | None, message: Any, now: float) -> None:
+    def _apply(
+        self, kind: str, owner: str, rank: int | None, message: Any, now: float, *, publish: bool
+    ) -> None:
         view = self._view
         if kind == "iter":
             if message.job != owner or message.rank != rank:
@@ -140,7 +159,8 @@ class Ingest:
                 raise ProtocolError("mismatch", "job differs from the topic")
             if kind == "job_status":
                 view.apply_job_status(message, now)
-        self._bus.publish(message)
+        if publish:
+            self._bus.publish(message)
 
     def _reject(self, topic: str, kind: str, exc: ProtocolError, now: float) -> None:
         self._metrics.rejected_by[exc.reason].inc()
@@ -185,12 +205,16 @@ class Ingest:
 
     async def _session(self) -> None:
         queue_type = None if self.use_stock_iterator else _inline_queue(self.handle)
-        async with make_client(self._mqtt, queue_type=queue_type) as client:
+        async with self._client(queue_type=queue_type) as client:
             prefix = f"$share/{self._mqtt.shared_group}/" if self._mqtt.shared_group else ""
-            await client.subscribe(
+            granted = await client.subscribe(
                 [(prefix + t, 1) for t in wire.SUBSCRIPTIONS],
                 timeout=self._mqtt.connect_timeout_s,
             )
+            if refused := _refused(granted):
+                # Not ready, not healthy: an ACL that refuses us must not look like a
+                # quiet cluster. Retried with back-off like a lost connection.
+                raise aiomqtt.MqttError(f"broker refused the subscriptions: {refused}")
             self.connected = True
             self._metrics.mqtt_connects.inc()
             self._metrics.mqtt_connected.set(1)
@@ -199,13 +223,13 @@ class Ingest:
             # The inline queue never holds a message, so with it this loop only ends
             # by raising MqttError when the connection drops.
             async for message in client.messages:
-                self.handle(message.topic.value, _payload_bytes(message))
+                self.handle(message.topic.value, _payload_bytes(message), retained=message.retain)
 
 
-def _inline_queue(handle: Callable[[str, bytes], None]) -> type[asyncio.Queue[aiomqtt.Message]]:
+def _inline_queue(handle: Callable[..., None]) -> type[asyncio.Queue[aiomqtt.Message]]:
     class InlineQueue(asyncio.Queue[aiomqtt.Message]):
         def put_nowait(self, item: aiomqtt.Message) -> None:
-            handle(item.topic.value, _payload_bytes(item))
+            handle(item.topic.value, _payload_bytes(item), retained=item.retain)
 
     return InlineQueue
 
@@ -221,40 +245,65 @@ def _default_client_id() -> str:
     return f"tmd-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def make_client(
-    config: MqttConfig,
-    *,
-    will: aiomqtt.Will | None = None,
-    queue_type: type[asyncio.Queue[aiomqtt.Message]] | None = None,
-    identifier: str | None = None,
-) -> aiomqtt.Client:
-    """An aiomqtt client from ``[mqtt]``: protocol, auth, TLS, keepalive, Last Will."""
-    password = config.password
-    if config.password_file:
-        with open(config.password_file) as f:
-            password = f.read().strip()
-    tls_context = None
-    if config.tls:
-        tls_context = ssl.create_default_context(cafile=config.ca_file or None)
-        if config.cert_file:
-            tls_context.load_cert_chain(config.cert_file, config.key_file)
-        if config.tls_insecure:
-            tls_context.check_hostname = False
-            tls_context.verify_mode = ssl.CERT_NONE
-    protocol = (
-        aiomqtt.ProtocolVersion.V5 if config.protocol == "5" else aiomqtt.ProtocolVersion.V311
-    )
-    return aiomqtt.Client(
-        config.host,
-        config.port,
-        identifier=identifier or config.client_id or _default_client_id(),
-        protocol=protocol,
-        username=config.username or None,
-        password=password or None,
-        tls_context=tls_context,
-        tls_insecure=config.tls_insecure if config.tls else None,
-        keepalive=int(config.keepalive_s),
-        timeout=config.connect_timeout_s,
-        will=will,
-        queue_type=queue_type,
-    )
+class ClientFactory:
+    """aiomqtt clients from ``[mqtt]``. Secrets are read and the TLS context is built
+    here, once, so a bad file is a ConfigError at start rather than a crash later."""
+
+    def __init__(self, config: MqttConfig) -> None:
+        self.config = config
+        self.password = config.password
+        if config.password_file:
+            try:
+                with open(config.password_file) as f:
+                    self.password = f.read().strip()
+            except OSError as exc:
+                raise ConfigError("mqtt.password_file", f"cannot read: {exc.strerror}") from None
+        self.tls_context: ssl.SSLContext | None = None
+        if config.tls:
+            self.tls_context = _tls_context(config)
+
+    def __call__(
+        self,
+        *,
+        will: aiomqtt.Will | None = None,
+        queue_type: type[asyncio.Queue[aiomqtt.Message]] | None = None,
+        identifier: str | None = None,
+    ) -> aiomqtt.Client:
+        c = self.config
+        return aiomqtt.Client(
+            c.host,
+            c.port,
+            identifier=identifier or c.client_id or _default_client_id(),
+            protocol=(
+                aiomqtt.ProtocolVersion.V5 if c.protocol == "5" else aiomqtt.ProtocolVersion.V311
+            ),
+            username=c.username or None,
+            password=self.password or None,
+            tls_context=self.tls_context,
+            tls_insecure=c.tls_insecure if c.tls else None,
+            keepalive=int(c.keepalive_s),
+            timeout=c.connect_timeout_s,
+            will=will,
+            queue_type=queue_type,
+        )
+
+
+def _tls_context(config: MqttConfig) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file or None)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError("mqtt.ca_file", f"cannot load CA certificates: {exc}") from None
+    if config.cert_file:
+        try:
+            context.load_cert_chain(config.cert_file, config.key_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError("mqtt.cert_file", f"cannot load certificate and key: {exc}") from None
+    if config.tls_insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _refused(granted: Any) -> list[Any]:
+    """SUBACK codes that refuse: 0x80 in MQTT 3.1.1, any failure reason code in 5."""
+    return [g for g in granted if (g.is_failure if hasattr(g, "is_failure") else g >= 0x80)]

@@ -81,6 +81,13 @@ class Journal:
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        try:
+            self._open(path)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open(self, path: str | Path) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")

@@ -18,8 +18,9 @@ REJECT_REASONS = (
     "mismatch",
     "rank",
     "limit",
+    "internal",
 )
-MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "job_status", "ack")
+MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "job_status", "ack", "unknown")
 
 
 class Metrics:
@@ -27,7 +28,10 @@ class Metrics:
         r = self.registry = registry or CollectorRegistry()
         Info("tmd_build", "tmd version", registry=r).info({"version": tmd.__version__})
         self.received = Counter(
-            "tmd_messages_received_total", "MQTT messages received, by kind", ["kind"], registry=r
+            "tmd_messages_received_total",
+            "MQTT messages received (valid or not), by topic kind",
+            ["kind"],
+            registry=r,
         )
         self.rejected = Counter(
             "tmd_messages_rejected_total",

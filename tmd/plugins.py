@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 
 from tmd import config as config_mod
 from tmd import events, log
-from tmd.bus import Bus
+from tmd.bus import Bus, Subscription
 from tmd.clock import Clock
 from tmd.errors import ConfigError, PluginError
 from tmd.metrics import Metrics
@@ -97,6 +97,11 @@ def available(kind: Kind) -> dict[str, type[Plugin]]:
             ) from exc
         if not (isinstance(cls, type) and issubclass(cls, Plugin)):
             raise PluginError(f"{kind} plug-in {ep.name!r} ({ep.value}) is not a Plugin class")
+        if getattr(cls, "name", None) != ep.name:
+            raise PluginError(
+                f"{kind} plug-in {ep.value} is registered as {ep.name!r} but named "
+                f"{getattr(cls, 'name', None)!r}: one name per plug-in"
+            )
         found[ep.name] = cls
     return found
 
@@ -153,55 +158,57 @@ class Runner:
     async def run(self) -> None:
         label = self.spec.name
         up = self._metrics.plugin_up.labels(plugin=label)
+        consumes = self.spec.factory.consumes
+        # One subscription for the runner's life: events that arrive while the plug-in
+        # backs off after a failure wait in the queue instead of being lost.
+        sub = self._bus.subscribe(label, consumes) if consumes else None
         backoff = self.MIN_BACKOFF_S
-        while True:
-            started = time.monotonic()
-            try:
-                plugin = self.spec.build(self._context)
-                self.up = True
-                up.set(1)
-                await self._serve(plugin)
-            except asyncio.CancelledError:
-                self.up = False
-                up.set(0)
-                raise
-            except Exception:
-                self.up = False
-                up.set(0)
-                self.restarts += 1
-                self._metrics.plugin_restarts.labels(plugin=label).inc()
-                if time.monotonic() - started > self.STABLE_AFTER_S:
-                    backoff = self.MIN_BACKOFF_S
-                self._log.exception("plug-in failed; restarting", retry_in_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.MAX_BACKOFF_S)
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    plugin = self.spec.build(self._context)
+                    self.up = True
+                    up.set(1)
+                    await self._serve(plugin, sub)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self.up = False
+                    up.set(0)
+                    self.restarts += 1
+                    self._metrics.plugin_restarts.labels(plugin=label).inc()
+                    if time.monotonic() - started > self.STABLE_AFTER_S:
+                        backoff = self.MIN_BACKOFF_S
+                    self._log.exception("plug-in failed; restarting", retry_in_s=backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.MAX_BACKOFF_S)
+        finally:
+            self.up = False
+            up.set(0)
+            if sub is not None:
+                self._bus.unsubscribe(sub)
 
-    async def _serve(self, plugin: Plugin) -> None:
+    async def _serve(self, plugin: Plugin, sub: Subscription | None) -> None:
         clock = self._context.clock
         timer = self._metrics.plugin_seconds.labels(plugin=self.spec.name)
         interval = plugin.tick_interval.total_seconds() if plugin.tick_interval else None
-        sub = self._bus.subscribe(self.spec.name, plugin.consumes) if plugin.consumes else None
         next_tick = clock.monotonic() + interval if interval else None
-        try:
-            while True:
-                wait = None if next_tick is None else max(0.0, next_tick - clock.monotonic())
-                if sub is not None:
-                    batch = await sub.batch(wait)
-                else:
-                    await clock.sleep(wait if wait is not None else 3600.0)
-                    batch = []
-                if batch:
-                    with timer.time():
-                        for event in batch:
-                            self._publish(plugin.observe(event, clock.now()))
-                if next_tick is not None and clock.monotonic() >= next_tick:
-                    with timer.time():
-                        self._publish(plugin.tick(clock.now()))
-                    next_tick += interval or 0.0
-                    next_tick = max(next_tick, clock.monotonic())
-        finally:
+        while True:
+            wait = None if next_tick is None else max(0.0, next_tick - clock.monotonic())
             if sub is not None:
-                self._bus.unsubscribe(sub)
+                batch = await sub.batch(wait)
+            else:
+                await clock.sleep(wait if wait is not None else 3600.0)
+                batch = []
+            if batch:
+                with timer.time():
+                    for event in batch:
+                        self._publish(plugin.observe(event, clock.now()))
+            if next_tick is not None and clock.monotonic() >= next_tick:
+                with timer.time():
+                    self._publish(plugin.tick(clock.now()))
+                next_tick = max(next_tick + (interval or 0.0), clock.monotonic())
 
     def _publish(self, out: Iterable[events.Event]) -> None:
         for event in out:

@@ -79,6 +79,12 @@ class RankState:
         self.total_steps += 1
         return "ok"
 
+    def reset(self) -> None:
+        """Forget the held steps (kept: the counters, which only ever grow)."""
+        for i in range(self.window):
+            self.steps[i] = -1
+        self.last_step = -1
+
     def recent(self, field_name: str = "compute_s", *, last: int | None = None) -> list[float]:
         """Values of ``field_name`` for the held steps among the last ``last`` (default:
         the whole window), oldest first. O(last): the ring is walked in step order."""
@@ -131,12 +137,14 @@ class ClusterView:
         self,
         *,
         window_steps: int = 128,
-        max_ranks_per_job: int = 1 << 20,
+        max_ranks_per_job: int = 1 << 17,
+        max_ranks: int = 1 << 17,
         max_jobs: int = 1024,
         max_nodes: int = 65536,
     ) -> None:
         self.window_steps = window_steps
         self.max_ranks_per_job = max_ranks_per_job
+        self.max_ranks = max_ranks
         self.max_jobs = max_jobs
         self.max_nodes = max_nodes
         self.jobs: dict[str, JobView] = {}
@@ -146,21 +154,37 @@ class ClusterView:
     # -- apply: one per wire type, each O(size of the message) ---------------------------
 
     def apply_iter(self, batch: wire.IterBatch, now: float) -> StepsApplied:
-        job = self._job(batch.job, now)
+        # Every check before anything is created: a rejected message takes no slot.
+        job = self.jobs.get(batch.job)
         rank = batch.rank
-        bound = job.world_size if job.world_size is not None else self.max_ranks_per_job
+        bound = self.max_ranks_per_job
+        if job is not None and job.world_size is not None:
+            bound = job.world_size
         if rank >= bound:
             raise ProtocolError("rank", f"rank {rank} out of range for job {batch.job} (< {bound})")
-        state = job.ranks.get(rank)
+        state = job.ranks.get(rank) if job is not None else None
+        if state is None and self.total_ranks >= self.max_ranks:
+            raise ProtocolError("limit", f"more than {self.max_ranks} ranks (ingest.max_ranks)")
+        if job is None:
+            job = self._job(batch.job, now)
         if state is None:
             state = job.ranks[rank] = RankState(rank, batch.node, self.window_steps)
             self.total_ranks += 1
+        elif batch.generation > state.generation and batch.steps[0].step <= state.last_step:
+            state.reset()  # a new generation restarted from an earlier step: a rollback
+        # An older generation's steps past what the newer one reached belong to a
+        # timeline that was rolled back: too late to count.
+        stale_above = state.last_step if batch.generation < state.generation else None
         state.node = batch.node
-        state.generation = batch.generation
+        state.generation = max(state.generation, batch.generation)
         state.last_seen = now
         job.last_seen = now
         out = StepsApplied()
         for s in batch.steps:
+            if stale_above is not None and s.step > stale_above:
+                state.late += 1
+                out.late += 1
+                continue
             result = state.add(s)
             if result == "ok":
                 out.accepted += 1
@@ -258,7 +282,9 @@ def rank_rows(job: JobView, now: float, *, chunk: int = 1024) -> Iterator[list[d
     between them (a 16k-rank job must not stall ingest)."""
     ordered = sorted(job.ranks)
     for start in range(0, len(ordered), chunk):
-        yield [_rank_json(job, job.ranks[r], now) for r in ordered[start : start + chunk]]
+        # A rank may leave between chunks (the job's status shrank the world).
+        states = (job.ranks.get(r) for r in ordered[start : start + chunk])
+        yield [_rank_json(job, s, now) for s in states if s is not None]
 
 
 def _rank_json(j: JobView, r: RankState, now: float) -> dict[str, Any]:

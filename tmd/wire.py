@@ -24,6 +24,9 @@ PREFIX: Final = "tmd/v1"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
 """A node, job or migration name: one MQTT topic segment, no wildcards."""
+Text = Annotated[str, msgspec.Meta(max_length=1024)]
+"""Free text (details, reasons): bounded so a message cannot bloat the view."""
+Label = Annotated[str, msgspec.Meta(max_length=256)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
@@ -48,8 +51,8 @@ class Message(msgspec.Struct, kw_only=True, frozen=True):
 
 class GpuInfo(msgspec.Struct, kw_only=True, frozen=True):
     index: GpuIndex
-    uuid: str = ""
-    name: str = ""
+    uuid: Label = ""
+    name: Label = ""
     memory_mb: Count | None = None
 
 
@@ -60,8 +63,8 @@ class NodeStatus(Message, kw_only=True, frozen=True):
     state: Literal["online", "offline"]
     role: Literal["worker", "standby"] = "worker"
     gpus: Annotated[list[GpuInfo], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] = []
-    hostname: str = ""
-    agent: str = ""
+    hostname: Label = ""
+    agent: Label = ""
 
 
 class GpuSample(msgspec.Struct, kw_only=True, frozen=True):
@@ -100,7 +103,7 @@ class XidEvent(Message, kw_only=True, frozen=True):
     node: Name
     gpu: GpuIndex
     xid: Count
-    detail: str = ""
+    detail: Text = ""
 
 
 # -- job: runtime -> daemon ------------------------------------------------------------
@@ -154,7 +157,7 @@ class JobStatus(Message, kw_only=True, frozen=True):
     generation: Count
     world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
     members: Annotated[list[Member], msgspec.Meta(max_length=MAX_MEMBERS)]
-    standbys: list[StandbyInfo] = []
+    standbys: Annotated[list[StandbyInfo], msgspec.Meta(max_length=4096)] = []
     state: Literal["running", "migrating", "stopped"] = "running"
     step: Step = 0
 
@@ -183,7 +186,7 @@ class Switch(Message, kw_only=True, frozen=True, tag_field="cmd", tag="switch"):
 class Abort(Message, kw_only=True, frozen=True, tag_field="cmd", tag="abort"):
     job: Name
     migration_id: Name
-    reason: str = ""
+    reason: Text = ""
 
 
 Control = Prepare | Switch | Abort
@@ -210,7 +213,7 @@ class Ack(Message, kw_only=True, frozen=True):
     generation: Count | None = None
     at_step: Step | None = None
     downtime: Downtime | None = None
-    detail: str = ""
+    detail: Text = ""
 
 
 # -- topics ----------------------------------------------------------------------------
@@ -271,6 +274,8 @@ def decode(data: bytes, kind: Any) -> Any:
     """
     try:
         message = decoder_for(kind).decode(data)
+    except RecursionError:
+        raise ProtocolError("json", "nested too deeply") from None
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
         _raise_for_version(data)
         if not isinstance(exc, msgspec.ValidationError):
@@ -286,7 +291,7 @@ def decode(data: bytes, kind: Any) -> Any:
 def _raise_for_version(data: bytes) -> None:
     try:
         header = _header_decoder.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return
     if header.v is not None and header.v != VERSION:
         raise ProtocolError("version", f"unsupported schema version {header.v!r}")

@@ -295,3 +295,29 @@ async def test_killed_agent_last_will_becomes_a_journaled_node_lost(
     assert rows[0].node == "will-node" and rows[0].body["cause"] == "last_will"
     code, body = await get_json(f"http://127.0.0.1:{daemon.api.port}/api/v1/events?kind=NodeLost")
     assert code == 200 and body["events"][0]["node"] == "will-node"
+
+
+async def test_status_of_a_large_job_is_served_in_chunks(
+    broker: Mosquitto, start_daemon: DaemonFactory
+) -> None:
+    daemon = await start_daemon(broker)
+    t = now()
+    n = 3000
+    status = wire.JobStatus(
+        ts=t,
+        job="large",
+        generation=0,
+        world_size=n,
+        members=[wire.Member(r, f"l{r // 8}") for r in range(n)],
+    )
+    daemon.ingest.handle(wire.job_topic("large", "status"), wire.encode(status))
+    for r in range(n):
+        daemon.ingest.handle(
+            wire.iter_topic("large", r),
+            wire.encode(iter_batch("large", r, range(1, 3), node=f"l{r // 8}")),
+        )
+    code, body = await get_json(f"http://127.0.0.1:{daemon.api.port}/api/v1/status?job=large")
+    assert code == 200
+    ranks = body["jobs"][0]["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(n))
+    assert all(r["last_step"] == 2 for r in ranks)

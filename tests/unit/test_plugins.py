@@ -65,6 +65,23 @@ def test_entry_point_plugins_are_found(third_party: None) -> None:
     assert "thermal" in [s.name for s in plugins.configure("detectors", {}, known)]
 
 
+def test_entry_point_name_must_be_the_plugin_name(tmp_path: Path) -> None:
+    (tmp_path / "misnamed_mod.py").write_text(
+        "from tmd.policies import Policy\nclass P(Policy):\n    name = 'other'\n"
+    )
+    info = tmp_path / "misnamed-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: misnamed\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tmd.policies]\nmine = misnamed_mod:P\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(PluginError, match="one name per plug-in"):
+            plugins.available("policies")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("misnamed_mod", None)
+
+
 def test_entry_point_that_is_not_a_plugin_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bogus_mod.py").write_text("thing = 42\n")
     info = tmp_path / "bogus-1.0.dist-info"

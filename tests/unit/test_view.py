@@ -101,3 +101,51 @@ def test_last_will_after_newer_status_is_applied_in_arrival_order() -> None:
     # A Last Will is composed at connect time, so its ts is older than what it replaces.
     view.apply_node_status(wire.NodeStatus(ts=TS, node="n", state="offline"), TS + 20)
     assert view.nodes["n"].state == "offline"
+
+
+def test_ring_boundary() -> None:
+    view = ClusterView(window_steps=8)
+    view.apply_iter(batch(0, [20]), TS)
+    assert view.apply_iter(batch(0, [13]), TS).accepted == 1  # 20 - 8 + 1: the oldest held
+    assert view.apply_iter(batch(0, [12]), TS).late == 1  # 20 - 8: just out
+    assert view.jobs["j"].ranks[0].recent("step_s", last=8) == [1.0, 1.0]
+
+
+def test_rollback_to_an_earlier_step_in_a_new_generation_restarts_the_ring() -> None:
+    view = ClusterView(window_steps=8)
+    view.apply_iter(batch(0, list(range(1, 101)), compute=0.5), TS)
+    rollback = wire.IterBatch(
+        ts=TS,
+        job="j",
+        rank=0,
+        node="n0",
+        generation=1,
+        steps=[wire.StepTiming(s, TS + s, 1.0, 0.9, 0.05, 0.03, 0.02) for s in range(50, 55)],
+    )
+    applied = view.apply_iter(rollback, TS)
+    rank = view.jobs["j"].ranks[0]
+    assert applied.accepted == 5 and rank.last_step == 54 and rank.generation == 1
+    assert rank.recent("compute_s") == pytest.approx([0.9] * 5)
+    # A late batch of the rolled-back generation neither rewinds the generation nor moves
+    # the ring past the new timeline; its steps below the new front are harmless.
+    stale = view.apply_iter(batch(0, [99, 53]), TS)
+    assert (stale.late, stale.duplicate) == (1, 1)
+    assert rank.generation == 1 and rank.last_step == 54
+
+
+def test_a_rejected_batch_takes_no_job_slot() -> None:
+    view = ClusterView(max_jobs=1, max_ranks_per_job=4)
+    with pytest.raises(ProtocolError):
+        view.apply_iter(batch(9, [1], job="bad"), TS)
+    view.apply_iter(batch(0, [1], job="good"), TS)
+    assert list(view.jobs) == ["good"]
+
+
+def test_cap_on_ranks_over_all_jobs() -> None:
+    view = ClusterView(max_ranks=2)
+    view.apply_iter(batch(0, [1], job="a"), TS)
+    view.apply_iter(batch(0, [1], job="b"), TS)
+    view.apply_iter(batch(0, [2], job="b"), TS)  # an existing rank still reports
+    with pytest.raises(ProtocolError) as err:
+        view.apply_iter(batch(1, [1], job="b"), TS)
+    assert err.value.reason == "limit"

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -39,6 +38,13 @@ def _percentile(values: array[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _rss_mb() -> float:
+    """Resident memory now (ru_maxrss would be the peak of every run in this process)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
 def _cpu_s() -> float:
     t = os.times()
     return t.user + t.system
@@ -53,7 +59,12 @@ async def _measure(
                 "mqtt": {"host": host, "port": port},
                 "api": {"port": 0},
                 "journal": {"path": f"{state}/journal.sqlite3"},
-                "ingest": {"max_nodes": max(65536, ranks), "reject_log_interval_s": 5.0},
+                "ingest": {
+                    "max_nodes": max(65536, ranks),
+                    "max_ranks": max(1 << 17, ranks),
+                    "max_ranks_per_job": max(1 << 17, ranks),
+                    "reject_log_interval_s": 5.0,
+                },
             }
         )
         daemon = Daemon(cfg)
@@ -70,7 +81,7 @@ async def _measure(
         spec = synth.SynthSpec(
             host=host, port=port, job="bench", ranks=ranks, seconds=seconds, flush_s=flush_s, seed=1
         )
-        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss_before = _rss_mb()
         cpu0, wall0 = _cpu_s(), time.monotonic()
         proc, results = synth.start(spec)
         result: synth.SynthResult | None = None
@@ -92,7 +103,12 @@ async def _measure(
         wall_s = time.monotonic() - wall0
         proc.join(5)
         in_view = daemon.view.total_steps()
-        rejected = sum(c._value.get() for c in daemon.metrics.rejected_by.values())
+        rss_after = _rss_mb()
+        sample = daemon.metrics.registry.get_sample_value
+        rejected = sum(
+            sample("tmd_messages_rejected_total", {"reason": r}) or 0.0
+            for r in daemon.metrics.rejected_by
+        )
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
@@ -112,7 +128,7 @@ async def _measure(
             "p99_latency_s": _round(_percentile(latencies, 0.99)),
             "max_latency_s": _round(max(latencies) if latencies else None),
             "publisher_max_behind_s": round(result.max_behind_s, 3),
-            "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "rss_mb": round(rss_after, 1),
             "rss_before_mb": round(rss_before, 1),
             "cpu_s": round(cpu_s, 2),
             "cpu_fraction": round(cpu_s / wall_s, 3),

@@ -63,3 +63,17 @@ def test_node_lost(script: list[tuple[float, Any, list[tuple[str, str]]]]) -> No
         found = list(detector.tick(now) if event == "tick" else detector.observe(event, now))
         assert all(isinstance(f, events.NodeLost) for f in found)
         assert [(f.node, f.cause) for f in found] == expected, (offset, event)
+
+
+def test_lost_nodes_are_forgotten_after_a_while() -> None:
+    clock = FakeClock(T0)
+    detector = NodeLostDetector(
+        NodeLostConfig(heartbeat_timeout_s=10, forget_after_s=100),
+        context=Context(view=ClusterView(), clock=clock),
+    )
+    list(detector.observe(status("gone", "offline"), T0))
+    assert "gone" in detector._lost
+    list(detector.tick(T0 + 50))
+    assert "gone" in detector._lost
+    list(detector.tick(T0 + 101))
+    assert "gone" not in detector._lost

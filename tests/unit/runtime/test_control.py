@@ -1,0 +1,101 @@
+"""The store-backed control log and the direct Python API, against a real TCPStore."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from tmd import wire
+from tmd.errors import ConfigError, MigrationError
+from tmd.runtime.control import (
+    CTL_LOG,
+    JobController,
+    StoreControl,
+    append,
+    register_standby,
+    standbys,
+)
+from tmd.runtime.env import RuntimeEnv
+from tmd.runtime.group import StoreAddress
+from tmd.runtime.launch import host_store
+
+
+@pytest.fixture
+def store() -> Iterator[object]:
+    yield host_store(0)
+
+
+def _poll_until(channel: StoreControl, count: int) -> list[object]:
+    got: list[object] = []
+    deadline = time.monotonic() + 10
+    while len(got) < count and time.monotonic() < deadline:
+        got += channel.poll()
+        time.sleep(0.01)
+    return got
+
+
+def test_commands_reach_the_channel_in_order_and_other_jobs_are_ignored(store) -> None:  # type: ignore[no-untyped-def]
+    address = StoreAddress("127.0.0.1", store.port)
+    channel = StoreControl(address, job="j", poll_interval=timedelta(milliseconds=5))
+    try:
+        JobController(store, job="other").abort("x")
+        ctl = JobController(store, job="j")
+        ctl.prepare("m1", leaver="a", joiner="b")
+        ctl.switch("m1", at_step=9)
+        append(store, CTL_LOG, b"not json")
+        ctl.abort("m1")
+        got = _poll_until(channel, 3)
+    finally:
+        channel.close()
+    assert [type(m) for m in got] == [wire.Prepare, wire.Switch, wire.Abort]
+    assert channel.rejected == 1
+    assert isinstance(got[1], wire.Switch) and got[1].at_step == 9
+
+
+def test_acks_are_collected_and_a_failed_ack_raises(store) -> None:  # type: ignore[no-untyped-def]
+    address = StoreAddress("127.0.0.1", store.port)
+    channel = StoreControl(address, job="j", poll_interval=timedelta(milliseconds=5))
+    ctl = JobController(store, job="j")
+    try:
+        channel.ack(wire.Ack(ts=1.0, job="j", migration_id="m1", kind="prepared", node="a"))
+        assert len(ctl.wait_acks("m1", "prepared", count=1, timeout=timedelta(seconds=5))) == 1
+        channel.ack(wire.Ack(ts=1.0, job="j", migration_id="m1", kind="failed", node="b"))
+        with pytest.raises(MigrationError):
+            ctl.wait_acks("m1", "switched", count=1, timeout=timedelta(seconds=5))
+    finally:
+        channel.close()
+
+
+def test_status_carries_the_standby_registry(store) -> None:  # type: ignore[no-untyped-def]
+    address = StoreAddress("127.0.0.1", store.port)
+    register_standby(store, wire.StandbyInfo(node="s0", state="warming"))
+    register_standby(store, wire.StandbyInfo(node="s0", state="ready", warmup_s=2.5))
+    assert standbys(store) == [wire.StandbyInfo(node="s0", state="ready", warmup_s=2.5)]
+    channel = StoreControl(address, job="j", poll_interval=timedelta(milliseconds=5))
+    try:
+        status = wire.JobStatus(ts=1.0, job="j", generation=0, world_size=1,
+                                members=[wire.Member(0, "w0")], state="stopped")  # fmt: skip
+        channel.publish_status(status)
+        deadline = time.monotonic() + 5
+        while not channel.stopped() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert channel.stopped()
+        published = JobController(store, job="j").status()
+        assert published is not None and [s.node for s in published.standbys] == ["s0"]
+    finally:
+        channel.close()
+
+
+def test_environment_contract() -> None:
+    env = RuntimeEnv.from_environ(
+        {"TMD_ROLE": "standby", "TMD_NODE": "sb0", "WORLD_SIZE": "4", "TMD_STORE": "10.0.0.1:29500"}
+    )
+    assert (env.role, env.node, env.world_size, env.store.port) == ("standby", "sb0", 4, 29500)
+    assert env.host == ""  # not loopback: gloo resolves the hostname
+    with pytest.raises(ConfigError):
+        RuntimeEnv.from_environ({"TMD_ROLE": "standby", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
+    with pytest.raises(ConfigError):
+        RuntimeEnv.from_environ({"RANK": "4", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
