@@ -4,6 +4,7 @@ survived, /metrics parses, and mutating requests need the bearer token."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing as mp
 import time
@@ -321,3 +322,43 @@ async def test_status_of_a_large_job_is_served_in_chunks(
     ranks = body["jobs"][0]["ranks"]
     assert [r["rank"] for r in ranks] == list(range(n))
     assert all(r["last_step"] == 2 for r in ranks)
+
+
+async def test_a_core_failure_ends_the_daemon_with_an_error(
+    broker: Mosquitto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plug-ins restart; the core does not: systemd restarts the whole daemon."""
+    from tmd import app
+    from tmd import config as config_mod
+
+    monkeypatch.setattr(app, "HOUSEKEEPING_INTERVAL_S", 0.05)
+    daemon = Daemon(
+        config_mod.from_dict(
+            {
+                "mqtt": {"host": broker.host, "port": broker.port},
+                "api": {"port": 0},
+                "journal": {"path": str(tmp_path / "j.sqlite3")},
+            }
+        )
+    )
+
+    def broken(now: float, after_s: float) -> tuple[int, int]:
+        raise RuntimeError("view corrupted")
+
+    daemon.view.forget_silent = broken  # type: ignore[method-assign]
+    with pytest.raises(ExceptionGroup) as err:
+        await asyncio.wait_for(daemon.run(), 20)
+    assert err.group_contains(RuntimeError, match="view corrupted")
+
+
+async def test_journal_write_failure_is_counted_and_the_event_still_flows(
+    broker: Mosquitto, start_daemon: DaemonFactory
+) -> None:
+    from tmd import events
+
+    daemon = await start_daemon(broker)
+    sub = daemon.bus.subscribe("t", (events.Finding,))
+    daemon.journal.close()  # every write now fails
+    daemon.emit(events.NodeLost(ts=now(), node="x", cause="heartbeat"), "test")
+    assert daemon.metrics.registry.get_sample_value("tmd_journal_errors_total") == 1
+    assert len(sub) == 1
