@@ -15,12 +15,8 @@ O(size of the message).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
-import secrets
-import socket
-import ssl
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -30,8 +26,9 @@ from tmd import log, wire
 from tmd.bus import Bus
 from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
-from tmd.errors import ConfigError, ProtocolError
+from tmd.errors import ProtocolError
 from tmd.metrics import Metrics
+from tmd.mqtt import ClientFactory
 from tmd.view import ClusterView
 
 _NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid"}
@@ -238,70 +235,6 @@ def _payload_bytes(message: aiomqtt.Message) -> bytes:
     # aiomqtt declares payload as bytes; paho hands it bytes. Guard against a change.
     payload: object = message.payload
     return payload if isinstance(payload, bytes) else bytes(str(payload), "utf-8")
-
-
-def _default_client_id() -> str:
-    # Unique per connection: a broker drops the older of two clients with one id.
-    return f"tmd-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-class ClientFactory:
-    """aiomqtt clients from ``[mqtt]``. Secrets are read and the TLS context is built
-    here, once, so a bad file is a ConfigError at start rather than a crash later."""
-
-    def __init__(self, config: MqttConfig) -> None:
-        self.config = config
-        self.password = config.password
-        if config.password_file:
-            try:
-                with open(config.password_file) as f:
-                    self.password = f.read().strip()
-            except OSError as exc:
-                raise ConfigError("mqtt.password_file", f"cannot read: {exc.strerror}") from None
-        self.tls_context: ssl.SSLContext | None = None
-        if config.tls:
-            self.tls_context = _tls_context(config)
-
-    def __call__(
-        self,
-        *,
-        will: aiomqtt.Will | None = None,
-        queue_type: type[asyncio.Queue[aiomqtt.Message]] | None = None,
-        identifier: str | None = None,
-    ) -> aiomqtt.Client:
-        c = self.config
-        return aiomqtt.Client(
-            c.host,
-            c.port,
-            identifier=identifier or c.client_id or _default_client_id(),
-            protocol=(
-                aiomqtt.ProtocolVersion.V5 if c.protocol == "5" else aiomqtt.ProtocolVersion.V311
-            ),
-            username=c.username or None,
-            password=self.password or None,
-            tls_context=self.tls_context,
-            tls_insecure=c.tls_insecure if c.tls else None,
-            keepalive=int(c.keepalive_s),
-            timeout=c.connect_timeout_s,
-            will=will,
-            queue_type=queue_type,
-        )
-
-
-def _tls_context(config: MqttConfig) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=config.ca_file or None)
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError("mqtt.ca_file", f"cannot load CA certificates: {exc}") from None
-    if config.cert_file:
-        try:
-            context.load_cert_chain(config.cert_file, config.key_file)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError("mqtt.cert_file", f"cannot load certificate and key: {exc}") from None
-    if config.tls_insecure:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 def _refused(granted: Any) -> list[Any]:
