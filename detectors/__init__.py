@@ -9,10 +9,13 @@ section (``[detectors.NAME]``), the metric label and the logger name.
 from __future__ import annotations
 
 from tmd.detectors.base import Detector
+from tmd.detectors.gpu_health import GpuHealthDetector
 from tmd.detectors.node_lost import NodeLostDetector
+from tmd.detectors.rank_stalled import RankStalledDetector
+from tmd.detectors.straggler import StragglerDetector
 
 BUILTIN: dict[str, type[Detector]] = {
-    NodeLostDetector.name: NodeLostDetector,
+    d.name: d for d in (GpuHealthDetector, NodeLostDetector, RankStalledDetector, StragglerDetector)
 }
 
 __all__ = ["BUILTIN", "Detector"]

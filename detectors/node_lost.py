@@ -34,6 +34,7 @@ class NodeLostDetector(Detector):
     Config = NodeLostConfig
     consumes = (wire.NodeStatus, wire.NodeGpu)
     tick_interval = timedelta(seconds=1)
+    config: NodeLostConfig
 
     def __init__(self, config: NodeLostConfig, *, context: Context) -> None:
         super().__init__(config, context=context)

@@ -166,7 +166,7 @@ def heartbeat_agent(
     then one GPU-less sample per ``interval_s`` as heartbeat, until killed. Run it in a
     process and SIGKILL it to make the broker deliver the Last Will."""
     client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"agent-{node}")
-    offline = wire.NodeStatus(ts=time.time(), node=node, state="offline")
+    offline = wire.NodeStatus(ts=time.time(), node=node, state="offline", role=role)
     client.will_set(wire.node_topic(node, "status"), wire.encode(offline), qos=1, retain=True)
     client.connect(host, port, keepalive=5)
     client.loop_start()

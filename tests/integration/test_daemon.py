@@ -362,3 +362,45 @@ async def test_journal_write_failure_is_counted_and_the_event_still_flows(
     daemon.emit(events.NodeLost(ts=now(), node="x", cause="heartbeat"), "test")
     assert daemon.metrics.registry.get_sample_value("tmd_journal_errors_total") == 1
     assert len(sub) == 1
+
+
+async def test_fatal_xid_becomes_a_journaled_gpu_fault_and_app_xids_do_not(
+    broker: Mosquitto, publisher: Publisher, start_daemon: DaemonFactory
+) -> None:
+    daemon = await start_daemon(broker)
+    for code in (13, 43, 79):
+        publisher.send(
+            wire.node_topic("xid-n", "xid"),
+            wire.encode(wire.XidEvent(ts=now(), node="xid-n", gpu=2, xid=code)),
+        )
+    rows = await eventually(lambda: daemon.journal.events(kind="GpuFault"))
+    assert [(r.node, r.body["gpu"], r.body["cause"]) for r in rows] == [("xid-n", 2, "xid 79")]
+    assert daemon.journal.events(kind="GpuDegraded") == []
+    assert len(daemon.view.nodes["xid-n"].xids) == 3  # all recorded in the view
+
+
+async def test_a_slow_rank_is_found_through_the_whole_pipeline(
+    broker: Mosquitto, start_daemon: DaemonFactory
+) -> None:
+    daemon = await start_daemon(broker)
+    spec = synth.SynthSpec(
+        host=broker.host,
+        port=broker.port,
+        job="slowjob",
+        ranks=8,
+        ranks_per_node=1,
+        step_s=0.05,
+        flush_s=0.2,
+        seconds=20,
+        gpu_health=False,
+        slow={5: 1.3},
+    )
+    proc, _ = synth.start(spec)
+    try:
+        rows = await eventually(lambda: daemon.journal.events(kind="StragglerFound"), timeout_s=30)
+    finally:
+        proc.kill()
+        proc.join()
+    (row,) = rows
+    assert row.job == "slowjob" and row.node == "node-00005"
+    assert row.body["slowdown"] == pytest.approx(0.3, abs=0.08)

@@ -1,0 +1,248 @@
+"""``gpu_health``: classify NVML signals into ``GpuFault`` (replace the machine) and
+``GpuDegraded`` (it still works but is getting worse).
+
+The tables follow the tools operators already trust. Fatal: the XIDs that DCGM's
+health watches treat as needing a reset or replacement (48 DBE, 61/62 internal
+micro-controller halt, 64 row-remap failure, 74 NVLink, 79 fell off the bus, 94/95
+contained/uncontained ECC, 119/120 GSP, 140 unrecovered ECC), a volatile double-bit ECC
+count, a row-remap failure, and any driver recovery action other than none. Degraded:
+XIDs 63 and 92 (remap/retirement events, high single-bit rate), pending row remap or
+page retirement, throttling for thermal or hardware reasons in most samples of a
+window, and NVLink or PCIe replay counters rising faster than a rate. Application
+XIDs (13, 31, 43, 45, 68, 109, as in the Kubernetes device plugin) are the program's
+fault, not the GPU's: the view records them, no finding is made. Every table is
+configurable.
+
+A finding is made once per (node, GPU, cause). Faults stay until the node comes back
+online (serviced or rebooted); a degraded condition re-arms once it has been clear for
+``rearm_after_s``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+from tmd import events, wire
+from tmd.detectors.base import Detector
+from tmd.errors import ConfigError
+from tmd.plugins import Context
+
+# nvmlClocksEventReasons: HW slowdown, SW thermal, HW thermal, HW power brake. The SW
+# power cap (0x4) is left out: a GPU at its power limit under full load is normal.
+DEFAULT_THROTTLE_MASK = 0x08 | 0x20 | 0x40 | 0x80
+RECOVERY_ACTION_NONE = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuHealthConfig:
+    fatal_xids: list[int] = field(
+        default_factory=lambda: [48, 61, 62, 64, 74, 79, 94, 95, 119, 120, 140]
+    )
+    degraded_xids: list[int] = field(default_factory=lambda: [63, 92])
+    application_xids: list[int] = field(default_factory=lambda: [13, 31, 43, 45, 68, 109])
+    unknown_xid: Literal["fatal", "degraded", "ignore"] = "degraded"
+    throttle_mask: int = DEFAULT_THROTTLE_MASK
+    throttle_window_s: float = 60.0
+    throttle_fraction: float = 0.5
+    nvlink_replay_per_min: float = 100.0
+    pcie_replay_per_min: float = 100.0
+    rate_window_s: float = 60.0
+    rearm_after_s: float = 300.0
+    forget_after_s: float = 3600.0
+
+    def validate(self) -> None:
+        key = "detectors.gpu_health."
+        tables = {
+            "fatal_xids": self.fatal_xids,
+            "degraded_xids": self.degraded_xids,
+            "application_xids": self.application_xids,
+        }
+        seen: dict[int, str] = {}
+        for name, table in tables.items():
+            for code in table:
+                if code < 0:
+                    raise ConfigError(key + name, f"XID {code} is negative")
+                if code in seen:
+                    raise ConfigError(key + name, f"XID {code} is also in {seen[code]}")
+                seen[code] = name
+        for name in ("throttle_window_s", "rate_window_s", "rearm_after_s", "forget_after_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(key + name, "must be > 0")
+        if not 0 < self.throttle_fraction <= 1:
+            raise ConfigError(key + "throttle_fraction", "must be in (0, 1]")
+
+
+@dataclass
+class _Gpu:
+    last_seen: float = 0.0
+    throttled: deque[tuple[float, bool]] = field(default_factory=deque)
+    counters: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+
+
+class GpuHealthDetector(Detector):
+    name = "gpu_health"
+    Config = GpuHealthConfig
+    consumes = (wire.NodeGpu, wire.XidEvent, wire.NodeStatus)
+    tick_interval = timedelta(seconds=30)
+    config: GpuHealthConfig
+
+    def __init__(self, config: GpuHealthConfig, *, context: Context) -> None:
+        super().__init__(config, context=context)
+        self._fatal = frozenset(config.fatal_xids)
+        self._degraded = frozenset(config.degraded_xids)
+        self._application = frozenset(config.application_xids)
+        self._gpus: dict[tuple[str, int], _Gpu] = {}
+        self._reported: dict[tuple[str, int, str], float] = {}  # -> when, for degraded: last true
+        self._offline: set[str] = set()
+
+    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
+        if isinstance(event, wire.XidEvent):
+            return self._xid(event, now)
+        if isinstance(event, wire.NodeStatus):
+            return self._status(event)
+        return self._sample(event, now)
+
+    def tick(self, now: float) -> Iterable[events.Event]:
+        horizon = now - self.config.forget_after_s
+        for key in [k for k, t in self._reported.items() if t < horizon]:
+            del self._reported[key]
+        for gpu_key in [k for k, g in self._gpus.items() if g.last_seen < horizon]:
+            del self._gpus[gpu_key]
+        return ()
+
+    # -- XID events ----------------------------------------------------------------
+
+    def classify_xid(self, xid: int) -> Literal["fatal", "degraded", "ignore"]:
+        if xid in self._fatal:
+            return "fatal"
+        if xid in self._degraded:
+            return "degraded"
+        if xid in self._application:
+            return "ignore"
+        return self.config.unknown_xid
+
+    def _xid(self, e: wire.XidEvent, now: float) -> Iterator[events.Event]:
+        verdict = self.classify_xid(e.xid)
+        if verdict == "ignore":
+            return
+        cause = f"xid {e.xid}"
+        detail = e.detail or f"XID {e.xid} on GPU {e.gpu}"
+        yield from self._report(verdict == "fatal", e.node, e.gpu, cause, detail, now)
+
+    # -- samples -------------------------------------------------------------------
+
+    def _sample(self, sample: wire.NodeGpu, now: float) -> Iterator[events.Event]:
+        cfg = self.config
+        node = sample.node
+        for g in sample.gpus:
+            gpu = self._gpus.setdefault((node, g.index), _Gpu())
+            gpu.last_seen = now
+            if g.ecc_dbe_volatile:
+                yield from self._report(
+                    True,
+                    node,
+                    g.index,
+                    "volatile DBE",
+                    f"{g.ecc_dbe_volatile} double-bit ECC errors",
+                    now,
+                )
+            if g.remap_failure:
+                yield from self._report(
+                    True, node, g.index, "row remap failure", "the GPU ran out of spare rows", now
+                )
+            if g.recovery_action not in (None, RECOVERY_ACTION_NONE):
+                yield from self._report(
+                    True,
+                    node,
+                    g.index,
+                    "recovery action",
+                    f"driver asks for recovery action {g.recovery_action}",
+                    now,
+                )
+            conditions = {
+                "pending row remap": bool(g.remap_pending),
+                "pending page retirement": bool(g.retired_pages_pending),
+                "throttling": self._throttled(gpu, g, now),
+                "nvlink replays": self._rising(
+                    gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min
+                ),
+                "pcie replays": self._rising(
+                    gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min
+                ),
+            }
+            for cause, bad in conditions.items():
+                if bad:
+                    yield from self._report(False, node, g.index, cause, _detail(cause, g), now)
+                else:
+                    self._maybe_rearm((node, g.index, cause), now)
+
+    def _throttled(self, gpu: _Gpu, g: wire.GpuSample, now: float) -> bool:
+        if g.clock_event_reasons is None:
+            return False
+        window = gpu.throttled
+        window.append((now, bool(g.clock_event_reasons & self.config.throttle_mask)))
+        while window and window[0][0] < now - self.config.throttle_window_s:
+            window.popleft()
+        # "Sustained": most samples of a window that is (nearly) full.
+        span = window[-1][0] - window[0][0]
+        if span < 0.8 * self.config.throttle_window_s:
+            return False
+        return sum(t for _, t in window) >= self.config.throttle_fraction * len(window)
+
+    def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
+        if value is None:
+            return False
+        history = gpu.counters.setdefault(name, deque())
+        if history and value < history[-1][1]:
+            history.clear()  # the counter was reset (driver reload)
+        history.append((now, value))
+        while len(history) > 1 and history[0][0] < now - self.config.rate_window_s:
+            history.popleft()
+        elapsed = history[-1][0] - history[0][0]
+        if elapsed <= 0:
+            return False
+        return (history[-1][1] - history[0][1]) / elapsed * 60 > per_min
+
+    # -- reporting -----------------------------------------------------------------
+
+    def _report(
+        self, fatal: bool, node: str, gpu: int, cause: str, detail: str, now: float
+    ) -> Iterator[events.Event]:
+        key = (node, gpu, cause)
+        first = key not in self._reported
+        self._reported[key] = now
+        if not first:
+            return
+        kind = events.GpuFault if fatal else events.GpuDegraded
+        yield kind(ts=now, node=node, gpu=gpu, cause=cause, detail=detail)
+
+    def _maybe_rearm(self, key: tuple[str, int, str], now: float) -> None:
+        last_true = self._reported.get(key)
+        if last_true is not None and now - last_true >= self.config.rearm_after_s:
+            del self._reported[key]
+
+    def _status(self, status: wire.NodeStatus) -> Iterator[events.Event]:
+        if status.state == "offline":
+            self._offline.add(status.node)
+        elif status.node in self._offline:
+            # Back after being offline: serviced or rebooted, its faults start over.
+            self._offline.discard(status.node)
+            for key in [k for k in self._reported if k[0] == status.node]:
+                del self._reported[key]
+            for gpu_key in [k for k in self._gpus if k[0] == status.node]:
+                del self._gpus[gpu_key]
+        return iter(())
+
+
+def _detail(cause: str, g: wire.GpuSample) -> str:
+    if cause == "throttling":
+        return f"clock event reasons {g.clock_event_reasons:#x} in most recent samples"
+    if cause == "nvlink replays":
+        return f"NVLink replay counter at {g.nvlink_replay}"
+    if cause == "pcie replays":
+        return f"PCIe replay counter at {g.pcie_replay}"
+    return cause

@@ -1,0 +1,134 @@
+"""gpu_health: every table entry and every scripted fault, as pure function calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tmd import events, wire
+from tmd.clock import SystemClock
+from tmd.detectors.gpu_health import GpuHealthConfig, GpuHealthDetector
+from tmd.errors import ConfigError
+from tmd.plugins import Context
+from tmd.view import ClusterView
+
+T0 = 1_800_000_000.0
+
+
+def make(**cfg: Any) -> GpuHealthDetector:
+    config = GpuHealthConfig(**cfg)
+    config.validate()
+    return GpuHealthDetector(config, context=Context(view=ClusterView(), clock=SystemClock()))
+
+
+def xid(code: int, node: str = "n", gpu: int = 0) -> wire.XidEvent:
+    return wire.XidEvent(ts=T0, node=node, gpu=gpu, xid=code)
+
+
+def sample(node: str = "n", **fields: Any) -> wire.NodeGpu:
+    return wire.NodeGpu(ts=T0, node=node, gpus=[wire.GpuSample(index=0, **fields)])
+
+
+def kinds(found: Any) -> list[tuple[str, str]]:
+    return [(type(e).__name__, e.cause) for e in found]
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (79, [("GpuFault", "xid 79")]),  # fell off the bus
+        (48, [("GpuFault", "xid 48")]),
+        (94, [("GpuFault", "xid 94")]),
+        (140, [("GpuFault", "xid 140")]),
+        (63, [("GpuDegraded", "xid 63")]),
+        (13, []),
+        (31, []),
+        (43, []),
+        (45, []),
+        (68, []),
+        (109, []),  # the application's fault
+        (999, [("GpuDegraded", "xid 999")]),  # unknown: degraded by default
+    ],
+)
+def test_xid_table(code: int, expected: list[tuple[str, str]]) -> None:
+    assert kinds(make().observe(xid(code), T0)) == expected
+
+
+def test_xid_table_is_configurable() -> None:
+    det = make(fatal_xids=[79, 13], application_xids=[31], unknown_xid="ignore")
+    assert kinds(det.observe(xid(13), T0)) == [("GpuFault", "xid 13")]
+    assert kinds(det.observe(xid(999), T0)) == []
+    with pytest.raises(ConfigError) as err:
+        make(fatal_xids=[79], degraded_xids=[79])
+    assert err.value.key == "detectors.gpu_health.degraded_xids"
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"ecc_dbe_volatile": 1}, [("GpuFault", "volatile DBE")]),
+        ({"remap_failure": True}, [("GpuFault", "row remap failure")]),
+        ({"recovery_action": 2}, [("GpuFault", "recovery action")]),  # node reboot
+        ({"recovery_action": 0}, []),
+        ({"remap_pending": True}, [("GpuDegraded", "pending row remap")]),
+        ({"retired_pages_pending": True}, [("GpuDegraded", "pending page retirement")]),
+        ({"ecc_sbe_volatile": 12, "temp_c": 70.0}, []),  # correctable errors alone: fine
+        ({}, []),  # nothing supported: nothing known
+    ],
+)
+def test_sample_conditions(fields: dict[str, Any], expected: list[tuple[str, str]]) -> None:
+    assert kinds(make().observe(sample(**fields), T0)) == expected
+
+
+def test_a_fault_is_reported_once_until_the_node_comes_back() -> None:
+    det = make()
+    assert kinds(det.observe(xid(79), T0)) == [("GpuFault", "xid 79")]
+    assert kinds(det.observe(xid(79), T0 + 1)) == []
+    assert kinds(det.observe(xid(79, gpu=3), T0 + 1)) == [("GpuFault", "xid 79")]  # another GPU
+    list(det.observe(wire.NodeStatus(ts=T0, node="n", state="offline"), T0 + 2))
+    list(det.observe(wire.NodeStatus(ts=T0, node="n", state="online"), T0 + 60))
+    assert kinds(det.observe(xid(79), T0 + 61)) == [("GpuFault", "xid 79")]
+
+
+def test_sustained_thermal_throttling_but_not_a_blip_or_a_power_cap() -> None:
+    det = make(throttle_window_s=60)
+    out = []
+    for t in range(0, 120):
+        reasons = 0x40 if t >= 30 else (0x04 if t % 2 else 0)  # power cap is not a fault
+        if t == 10:
+            reasons = 0x20  # one-sample blip
+        out += kinds(det.observe(sample(clock_event_reasons=reasons), T0 + t))
+    assert out == [("GpuDegraded", "throttling")]
+
+
+def test_nvlink_replay_burst_and_counter_reset() -> None:
+    det = make(nvlink_replay_per_min=100, rate_window_s=60)
+    out = []
+    value = 1000
+    for t in range(0, 60):
+        value += 1 if t < 30 else 20  # 60/min, then 1200/min
+        out += kinds(det.observe(sample(nvlink_replay=value), T0 + t))
+    assert out == [("GpuDegraded", "nvlink replays")]
+    reset = make()
+    found = []
+    for t, v in enumerate([5000, 5001, 3, 4, 5]):  # driver reload resets the counter
+        found += kinds(reset.observe(sample(pcie_replay=v), T0 + t))
+    assert found == []
+
+
+def test_degraded_rearms_after_being_clear_for_a_while() -> None:
+    det = make(rearm_after_s=100)
+    assert kinds(det.observe(sample(remap_pending=True), T0)) == [
+        ("GpuDegraded", "pending row remap")
+    ]
+    assert kinds(det.observe(sample(remap_pending=False), T0 + 50)) == []
+    assert kinds(det.observe(sample(remap_pending=True), T0 + 60)) == []  # not yet re-armed
+    assert kinds(det.observe(sample(remap_pending=False), T0 + 200)) == []
+    assert kinds(det.observe(sample(remap_pending=True), T0 + 210)) == [
+        ("GpuDegraded", "pending row remap")
+    ]
+    assert all(
+        isinstance(e, events.GpuDegraded)
+        for e in det.observe(sample(retired_pages_pending=True), T0 + 211)
+    )
