@@ -29,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tmd.bench import ingest
 
         return ingest.main(argv[2:])
+    if argv[:2] == ["bench", "detect"]:
+        from tmd.bench import detect
+
+        return detect.main(argv[2:])
     if argv[:2] == ["bench", "downtime"]:
         from tmd.bench import downtime
 
@@ -47,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"TOML file (default: $TMD_CONFIG, else {DEFAULT_CONFIG} "
         "if it exists, else built-in defaults)",
     )
+
+    agent = sub.add_parser("agent", help="run the node agent (NVML publisher)")
+    agent.add_argument("--config", help="TOML file (default: as for `tmd run`)")
+    agent.add_argument("--once", action="store_true", help="print one sample of every GPU, exit")
+    agent.add_argument("--json", action="store_true", help="with --once: as JSON")
 
     check = sub.add_parser("check-config", help="validate a config file and print it")
     check.add_argument("file")
@@ -80,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.verb == "run":
             return _run(args.config)
+        if args.verb == "agent":
+            from tmd import agent as agent_mod
+
+            return agent_mod.run(_config_path(args.config), once=args.once, as_json=args.json)
         if args.verb == "check-config":
             cfg = config_mod.load(args.file)
             _validate_plugins(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -152,6 +153,38 @@ class LogConfig:
         pass
 
 
+_NODE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """``tmd agent``, the NVML publisher on every worker and standby node."""
+
+    node: str = ""  # empty: this host's name
+    role: Literal["worker", "standby"] = "worker"
+    interval_s: float = 1.0  # one NVML sample of every GPU, published; also the heartbeat
+    # One round of NVML calls over every GPU; a GPU falling off the bus can hang NVML,
+    # and a round that overruns is abandoned (and the systemd watchdog not fed).
+    sample_timeout_s: float = 5.0
+    init_timeout_s: float = 60.0  # nvmlInit: slow without nvidia-persistenced
+    # One nvmlEventSetWait_v2 call: bounds how long stopping waits for the XID thread.
+    xid_wait_ms: int = 1000
+    # No GPU or driver on this node: publish status and heartbeats only, without NVML.
+    heartbeat_only: bool = False
+
+    def validate(self) -> None:
+        if self.node:
+            _check(
+                bool(_NODE_NAME.fullmatch(self.node)),
+                "agent.node",
+                "must be 1-128 of A-Z a-z 0-9 _ . : @ - (one MQTT topic segment)",
+            )
+        _check(0.05 <= self.interval_s <= 3600, "agent.interval_s", "must be in 0.05..3600")
+        _check(self.sample_timeout_s > 0, "agent.sample_timeout_s", "must be > 0")
+        _check(self.init_timeout_s > 0, "agent.init_timeout_s", "must be > 0")
+        _check(10 <= self.xid_wait_ms <= 60_000, "agent.xid_wait_ms", "must be in 10..60000")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     mqtt: MqttConfig = field(default_factory=MqttConfig)
@@ -159,6 +192,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     # Plug-in sections are checked by each plug-in's own Config when it is built.
     detectors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -170,6 +204,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "api": ApiConfig,
     "journal": JournalConfig,
     "log": LogConfig,
+    "agent": AgentConfig,
 }
 _PLUGIN_SECTIONS = ("detectors", "policies")
 
