@@ -7,8 +7,14 @@ listed here by name; the name is also the config section (``[policies.NAME]``).
 
 from __future__ import annotations
 
+from tmd.policies.alert import AlertPolicy
 from tmd.policies.base import Policy
+from tmd.policies.drain import DrainPolicy
+from tmd.policies.failover import FailoverPolicy
+from tmd.policies.rebalance import RebalancePolicy
 
-BUILTIN: dict[str, type[Policy]] = {}
+BUILTIN: dict[str, type[Policy]] = {
+    p.name: p for p in (AlertPolicy, DrainPolicy, FailoverPolicy, RebalancePolicy)
+}
 
 __all__ = ["BUILTIN", "Policy"]

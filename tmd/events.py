@@ -81,6 +81,52 @@ class Hold(Decision, kw_only=True, frozen=True):
     node: str = ""
 
 
+class CheckpointRestart(Decision, kw_only=True, frozen=True):
+    """No ready standby can take ``node``'s place: restart ``job`` from its checkpoint."""
+
+    job: str
+    node: str
+
+
+class Request(Event, kw_only=True, frozen=True):
+    """Something asked of tmd from outside, by an operator or an alert."""
+
+    requested_by: str = ""
+
+
+class DrainRequested(Request, kw_only=True, frozen=True):
+    """Move every job's work off ``node`` (maintenance)."""
+
+    node: str
+
+
+class MigrateRequested(Request, kw_only=True, frozen=True):
+    job: str
+    node: str
+    to: str | None = None
+
+
+class AlertFired(Request, kw_only=True, frozen=True):
+    """One alert of an Alertmanager webhook (payload version 4)."""
+
+    name: str
+    status: Literal["firing", "resolved"]
+    fingerprint: str
+    starts_at: str
+    labels: dict[str, str]
+
+
+class MigrationFinished(Event, kw_only=True, frozen=True):
+    """The actuator's word on a migration, with the downtime the runtime measured."""
+
+    migration_id: str
+    job: str
+    node: str
+    to: str
+    outcome: Literal["done", "aborted", "failed"]
+    downtime_s: float | None = None
+
+
 ALL: tuple[type[Event], ...] = (
     GpuFault,
     GpuDegraded,
@@ -90,4 +136,9 @@ ALL: tuple[type[Event], ...] = (
     RankStalled,
     Migrate,
     Hold,
+    CheckpointRestart,
+    DrainRequested,
+    MigrateRequested,
+    AlertFired,
+    MigrationFinished,
 )

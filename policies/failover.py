@@ -1,0 +1,81 @@
+"""``failover``: a machine of a job failed — move its work to a ready standby at once.
+
+Triggers: ``GpuFault``, ``NodeLost`` and ``RankStalled`` (configurable). With no ready
+standby the job can only be restarted from its last checkpoint: that is decided
+(``CheckpointRestart``) and journaled as such, not silently dropped. One decision per
+(job, node) until the actuator reports that node's migration finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tmd import events
+from tmd.errors import ConfigError
+from tmd.plugins import Context
+from tmd.policies.base import Policy, jobs_on, ready_standbys
+
+TRIGGERS: dict[str, type[events.Finding]] = {
+    "GpuFault": events.GpuFault,
+    "NodeLost": events.NodeLost,
+    "RankStalled": events.RankStalled,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailoverConfig:
+    triggers: list[str] = field(default_factory=lambda: sorted(TRIGGERS))
+
+    def validate(self) -> None:
+        for name in self.triggers:
+            if name not in TRIGGERS:
+                raise ConfigError(
+                    "policies.failover.triggers",
+                    f"unknown finding {name!r} (known: {', '.join(sorted(TRIGGERS))})",
+                )
+
+
+class FailoverPolicy(Policy):
+    name = "failover"
+    Config = FailoverConfig
+    consumes = (events.GpuFault, events.NodeLost, events.RankStalled, events.MigrationFinished)
+    config: FailoverConfig
+
+    def __init__(self, config: FailoverConfig, *, context: Context) -> None:
+        super().__init__(config, context=context)
+        self._triggers: tuple[type[events.Finding], ...] = tuple(
+            TRIGGERS[n] for n in config.triggers
+        )
+        self._handled: set[tuple[str, str]] = set()
+
+    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
+        if isinstance(event, events.MigrationFinished):
+            self._handled.discard((event.job, event.node))
+            return ()
+        if not isinstance(event, self._triggers):
+            return ()
+        return self._decide(event, now)
+
+    def _decide(self, finding: events.Finding, now: float) -> Iterator[events.Event]:
+        view = self.context.view
+        jobs = [finding.job] if finding.job else jobs_on(view, finding.node)
+        cause = getattr(finding, "cause", "") or finding.detail
+        why = f"{type(finding).__name__} on {finding.node}" + (f": {cause}" if cause else "")
+        for job in jobs:
+            if (job, finding.node) in self._handled:
+                continue
+            self._handled.add((job, finding.node))
+            if ready_standbys(view, job):
+                yield events.Migrate(
+                    ts=now, policy=self.name, job=job, node=finding.node, reason=why
+                )
+            else:
+                yield events.CheckpointRestart(
+                    ts=now,
+                    policy=self.name,
+                    job=job,
+                    node=finding.node,
+                    reason=f"{why}; no ready standby, so restart from the last checkpoint",
+                )

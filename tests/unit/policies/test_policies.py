@@ -1,0 +1,204 @@
+"""Built-in policies as pure functions over findings, requests and a cluster view."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tmd import events, wire
+from tmd.clock import SystemClock
+from tmd.errors import ConfigError
+from tmd.plugins import Context
+from tmd.policies.alert import AlertConfig, AlertPolicy
+from tmd.policies.drain import DrainPolicy
+from tmd.policies.failover import FailoverConfig, FailoverPolicy
+from tmd.policies.rebalance import RebalanceConfig, RebalancePolicy
+from tmd.view import ClusterView
+
+T0 = 1_800_000_000.0
+
+
+def view(standbys: dict[str, str] | None = None, offline: tuple[str, ...] = ()) -> ClusterView:
+    v = ClusterView()
+    for job, nodes in (("a", ["n0", "n1", "n2"]), ("b", ["n2", "n3"])):
+        v.apply_job_status(
+            wire.JobStatus(
+                ts=T0,
+                job=job,
+                generation=0,
+                world_size=len(nodes),
+                members=[wire.Member(r, n) for r, n in enumerate(nodes)],
+                standbys=[
+                    wire.StandbyInfo(node=s, state=st)  # type: ignore[arg-type]
+                    for s, st in ({"s0": "ready"} if standbys is None else standbys).items()
+                ],
+            ),
+            T0,
+        )
+    for node in offline:
+        v.apply_node_status(wire.NodeStatus(ts=T0, node=node, state="offline"), T0)
+    return v
+
+
+def ctx(v: ClusterView) -> Context:
+    return Context(view=v, clock=SystemClock())
+
+
+def decided(out: Any) -> list[tuple[str, str, str]]:
+    return [(type(d).__name__, getattr(d, "job", ""), getattr(d, "node", "")) for d in out]
+
+
+# -- failover ---------------------------------------------------------------------------
+
+
+def test_failover_migrates_every_job_on_the_node_once() -> None:
+    p = FailoverPolicy(FailoverConfig(), context=ctx(view()))
+    fault = events.GpuFault(ts=T0, node="n2", gpu=1, cause="xid 79")
+    out = list(p.observe(fault, T0))
+    assert decided(out) == [("Migrate", "a", "n2"), ("Migrate", "b", "n2")]
+    assert out[0].reason == "GpuFault on n2: xid 79"  # type: ignore[attr-defined]
+    assert list(p.observe(events.NodeLost(ts=T0, node="n2", cause="heartbeat"), T0)) == []
+    done = events.MigrationFinished(
+        ts=T0, migration_id="m", job="a", node="n2", to="s0", outcome="done", downtime_s=0.3
+    )
+    list(p.observe(done, T0))
+    assert decided(p.observe(fault, T0)) == [("Migrate", "a", "n2")]  # handled again for a
+
+
+@pytest.mark.parametrize(
+    ("standbys", "offline"),
+    [
+        ({}, ()),
+        ({"s0": "warming"}, ()),
+        ({"s0": "ready"}, ("s0",)),
+        ({"s0": "failed"}, ()),
+    ],
+)
+def test_failover_without_a_ready_standby_is_a_checkpoint_restart(
+    standbys: dict[str, str], offline: tuple[str, ...]
+) -> None:
+    p = FailoverPolicy(FailoverConfig(), context=ctx(view(standbys, offline)))
+    out = list(p.observe(events.NodeLost(ts=T0, node="n0", cause="last_will"), T0))
+    assert decided(out) == [("CheckpointRestart", "a", "n0")]
+    assert "no ready standby" in out[0].reason  # type: ignore[attr-defined]
+
+
+def test_failover_triggers_are_configurable() -> None:
+    p = FailoverPolicy(FailoverConfig(triggers=["GpuFault"]), context=ctx(view()))
+    stall = events.RankStalled(ts=T0, node="n0", job="a", rank=0, last_step=5)
+    assert list(p.observe(stall, T0)) == []
+    with pytest.raises(ConfigError):
+        FailoverConfig(triggers=["Nope"]).validate()
+
+
+def test_a_finding_that_names_its_job_moves_only_that_job() -> None:
+    p = FailoverPolicy(FailoverConfig(), context=ctx(view()))
+    stall = events.RankStalled(ts=T0, node="n2", job="b", rank=0, last_step=5)
+    assert decided(p.observe(stall, T0)) == [("Migrate", "b", "n2")]
+
+
+# -- drain ------------------------------------------------------------------------------
+
+
+def test_drain_and_migrate_requests() -> None:
+    p = DrainPolicy(None, context=ctx(view()))
+    out = list(p.observe(events.DrainRequested(ts=T0, node="n2", requested_by="alice"), T0))
+    assert decided(out) == [("Migrate", "a", "n2"), ("Migrate", "b", "n2")]
+    assert out[0].reason == "operator drain by alice"  # type: ignore[attr-defined]
+    out = list(p.observe(events.MigrateRequested(ts=T0, job="a", node="n1", to="s0"), T0))
+    assert decided(out) == [("Migrate", "a", "n1")] and out[0].to == "s0"  # type: ignore[attr-defined]
+    assert decided(p.observe(events.DrainRequested(ts=T0, node="idle"), T0)) == [
+        ("Hold", "", "idle")
+    ]
+
+
+# -- alert ------------------------------------------------------------------------------
+
+
+def alert(
+    labels: dict[str, str], *, status: str = "firing", fp: str = "f1", name: str = "GpuXid"
+) -> events.AlertFired:
+    return events.AlertFired(
+        ts=T0,
+        name=name,
+        status=status,  # type: ignore[arg-type]
+        fingerprint=fp,
+        starts_at="2026-11-30T00:00:00Z",
+        labels=labels,
+    )
+
+
+def test_alert_is_acted_on_once_per_fingerprint_and_start() -> None:
+    p = AlertPolicy(AlertConfig(), context=ctx(view()))
+    assert decided(p.observe(alert({"node": "n0:9100"}), T0)) == [("Migrate", "a", "n0")]
+    assert list(p.observe(alert({"node": "n0:9100"}), T0)) == []  # Alertmanager resends
+    assert list(p.observe(alert({"node": "n0"}, status="resolved", fp="f2"), T0)) == []
+    assert decided(p.observe(alert({"node": "n2", "job": "b"}, fp="f3"), T0)) == [
+        ("Migrate", "b", "n2")
+    ]
+    assert decided(p.observe(alert({"instance": "x"}, fp="f4"), T0)) == [("Hold", "", "")]
+
+
+def test_alert_names_filter() -> None:
+    p = AlertPolicy(AlertConfig(alertnames=["GpuXid"]), context=ctx(view()))
+    assert list(p.observe(alert({"node": "n0"}, name="DiskFull"), T0)) == []
+
+
+# -- rebalance --------------------------------------------------------------------------
+
+
+def straggler(node: str, slowdown: float, job: str = "a") -> events.StragglerFound:
+    return events.StragglerFound(
+        ts=T0, job=job, node=node, slowdown=slowdown, confidence=1, since_step=1
+    )
+
+
+def test_rebalance_migrates_the_worst_ripe_straggler_per_job_when_worth_it() -> None:
+    p = RebalancePolicy(RebalanceConfig(persist_s=60), context=ctx(view()))
+    list(p.observe(straggler("n0", 0.15), T0))
+    list(p.observe(straggler("n1", 0.40), T0 + 30))
+    assert decided(p.tick(T0 + 70)) == [("Migrate", "a", "n0")]  # n1 is not ripe yet
+    out = list(p.tick(T0 + 100))
+    assert decided(out) == [("Migrate", "a", "n1")]
+    assert "n1 +40%" in out[0].reason  # type: ignore[attr-defined]
+    list(p.observe(events.StragglerCleared(ts=T0, job="a", node="n1"), T0))
+    list(p.observe(events.StragglerCleared(ts=T0, job="a", node="n0"), T0))
+    assert list(p.tick(T0 + 200)) == []
+
+
+def test_rebalance_weighs_saving_against_measured_downtime() -> None:
+    p = RebalancePolicy(
+        RebalanceConfig(persist_s=0, horizon_min=1, safety_factor=1), context=ctx(view())
+    )
+    list(p.observe(straggler("n0", 0.05), T0))  # saves 60 * 0.05/1.05 = 2.9 s per horizon
+    assert decided(p.tick(T0)) == [("Hold", "a", "n0")]  # prior downtime 5 s
+    for downtime in (1.0, 2.0, 1.5):
+        list(
+            p.observe(
+                events.MigrationFinished(
+                    ts=T0,
+                    migration_id="m",
+                    job="x",
+                    node="y",
+                    to="z",
+                    outcome="done",
+                    downtime_s=downtime,
+                ),
+                T0,
+            )
+        )
+    assert p.expected_cost_s() == 1.5
+    assert decided(p.tick(T0)) == [("Migrate", "a", "n0")]
+
+
+def test_rebalance_holds_without_a_ready_standby() -> None:
+    p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(view({})))
+    list(p.observe(straggler("n0", 0.3), T0))
+    out = list(p.tick(T0))
+    assert decided(out) == [("Hold", "a", "n0")] and "no ready standby" in out[0].reason  # type: ignore[attr-defined]
+
+
+def test_rebalance_ticks_at_its_configured_interval() -> None:
+    p = RebalancePolicy(RebalanceConfig(interval_min=2.5), context=ctx(view()))
+    assert p.tick_interval is not None and p.tick_interval.total_seconds() == 150
