@@ -80,6 +80,8 @@ class GpuHealthConfig:
 class _Gpu:
     last_seen: float = 0.0
     throttled: deque[tuple[float, bool]] = field(default_factory=deque)
+    throttled_count: int = 0  # of True in ``throttled``: O(1) per sample, not O(window)
+    degraded: set[str] = field(default_factory=set)  # causes reported and not yet re-armed
     counters: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
 
 
@@ -163,40 +165,50 @@ class GpuHealthDetector(Detector):
                     f"driver asks for recovery action {g.recovery_action}",
                     now,
                 )
+            throttling = self._throttled(gpu, g, now)
+            nvlink = self._rising(gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min)
+            pcie = self._rising(gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min)
+            pending_remap, pending_retire = bool(g.remap_pending), bool(g.retired_pages_pending)
+            if not (
+                gpu.degraded or pending_remap or pending_retire or throttling or nvlink or pcie
+            ):
+                continue  # the common case: a healthy GPU with nothing to re-arm
             conditions = {
-                "pending row remap": bool(g.remap_pending),
-                "pending page retirement": bool(g.retired_pages_pending),
-                "throttling": self._throttled(gpu, g, now),
-                "nvlink replays": self._rising(
-                    gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min
-                ),
-                "pcie replays": self._rising(
-                    gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min
-                ),
+                "pending row remap": pending_remap,
+                "pending page retirement": pending_retire,
+                "throttling": throttling,
+                "nvlink replays": nvlink,
+                "pcie replays": pcie,
             }
             for cause, bad in conditions.items():
+                key = (node, g.index, cause)
                 if bad:
+                    gpu.degraded.add(cause)
                     yield from self._report(False, node, g.index, cause, _detail(cause, g), now)
-                else:
-                    self._maybe_rearm((node, g.index, cause), now)
+                elif cause in gpu.degraded and self._rearmed(key, now):
+                    gpu.degraded.discard(cause)
 
     def _throttled(self, gpu: _Gpu, g: wire.GpuSample, now: float) -> bool:
         if g.clock_event_reasons is None:
             return False
         window = gpu.throttled
-        window.append((now, bool(g.clock_event_reasons & self.config.throttle_mask)))
+        hot = bool(g.clock_event_reasons & self.config.throttle_mask)
+        window.append((now, hot))
+        gpu.throttled_count += hot
         while window and window[0][0] < now - self.config.throttle_window_s:
-            window.popleft()
+            gpu.throttled_count -= window.popleft()[1]
         # "Sustained": most samples of a window that is (nearly) full.
         span = window[-1][0] - window[0][0]
         if span < 0.8 * self.config.throttle_window_s:
             return False
-        return sum(t for _, t in window) >= self.config.throttle_fraction * len(window)
+        return gpu.throttled_count >= self.config.throttle_fraction * len(window)
 
     def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
         if value is None:
             return False
         history = gpu.counters.setdefault(name, deque())
+        if history and value == history[-1][1]:
+            return False  # not rising now; the next rise is measured from the last change
         if history and value < history[-1][1]:
             history.clear()  # the counter was reset (driver reload)
         history.append((now, value))
@@ -220,10 +232,14 @@ class GpuHealthDetector(Detector):
         kind = events.GpuFault if fatal else events.GpuDegraded
         yield kind(ts=now, node=node, gpu=gpu, cause=cause, detail=detail)
 
-    def _maybe_rearm(self, key: tuple[str, int, str], now: float) -> None:
+    def _rearmed(self, key: tuple[str, int, str], now: float) -> bool:
         last_true = self._reported.get(key)
-        if last_true is not None and now - last_true >= self.config.rearm_after_s:
+        if last_true is None:
+            return True
+        if now - last_true >= self.config.rearm_after_s:
             del self._reported[key]
+            return True
+        return False
 
     def _status(self, status: wire.NodeStatus) -> Iterator[events.Event]:
         if status.state == "offline":

@@ -5,7 +5,7 @@ all-reduce, so step times are alike everywhere; the slow machine shows in its *b
 time (compute + optimizer + data = step time minus all-reduce wait). For every step
 that all live ranks of a job have reported, each rank's busy time is divided by the
 median over ranks for that step. Dividing by the same step's median cancels whatever
-hits the whole job (a slower phase, an evaluation pause on every rank); the median
+hits the whole job (a slower phase, an evaluation pause on every rank); a robust mean
 over a window of recent ratios ignores single slow steps (a checkpoint on rank 0, a
 GC pause, noise). A rank is a straggler when the interquartile mean of its last
 ``window_steps`` ratios exceeds ``1 + min_slowdown`` and most of the window agrees
@@ -13,10 +13,11 @@ GC pause, noise). A rank is a straggler when the interquartile mean of its last
 that mean falls below ``1 + clear_slowdown``. Findings are per node (a machine is
 what gets replaced), carrying the worst rank's slowdown.
 
-Scoring is the pure function ``score``; the detector keeps per-job state fed by
-``observe`` and advances on ``tick`` at the pace of the slowest live rank. Ranks that
-fall more than ``stall_lag_steps`` behind do not hold the others back (``rank_stalled``
-reports them).
+The detector reads the cluster view's per-rank step rings on each tick instead of
+observing every telemetry message: ingest already puts each step into the view once,
+and scanning it once a second costs less than a second pass per message. Scoring is
+the pure function ``score``. Ranks that fall more than ``stall_lag_steps`` behind do
+not hold the others back (``rank_stalled`` reports them).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
-from tmd import events, wire
+from tmd import events
 from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context
+from tmd.view import JobView
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,13 +43,9 @@ class StragglerConfig:
     min_confidence: float = 0.75
     min_ranks: int = 3  # fewer ranks reporting a step: nothing to compare against
     stall_lag_steps: int = 64
-    max_pending_steps: int = 512
-    forget_after_s: float = 3600.0  # a job silent this long is dropped
 
     def validate(self) -> None:
         key = "detectors.straggler."
-        if not self.forget_after_s > 0:
-            raise ConfigError(key + "forget_after_s", "must be > 0")
         if not 0 < self.min_slowdown < 10:
             raise ConfigError(key + "min_slowdown", "must be in (0, 10)")
         if not 0 <= self.clear_slowdown < self.min_slowdown:
@@ -61,8 +58,6 @@ class StragglerConfig:
             raise ConfigError(key + "min_ranks", "must be >= 2")
         if self.stall_lag_steps < 1:
             raise ConfigError(key + "stall_lag_steps", "must be >= 1")
-        if self.max_pending_steps < self.stall_lag_steps:
-            raise ConfigError(key + "max_pending_steps", "must be >= stall_lag_steps")
 
 
 @dataclass(frozen=True)
@@ -71,6 +66,16 @@ class Score:
     confidence: float  # share of the window above 1 + min_slowdown / 2
     since_step: int  # first step of the current run above that level
     run_slowdown: float  # the same mean over that run alone: what is reported
+
+
+def interquartile_mean(values: list[float]) -> float:
+    """Mean of the middle half: as robust to spikes as the median, and with about 20%
+    less spread on noisy steps, so the same window tells a 10% straggler from noise
+    sooner."""
+    ordered = sorted(values)
+    k = len(ordered) // 4
+    middle = ordered[k : len(ordered) - k]
+    return sum(middle) / len(middle)
 
 
 def score(window: Iterable[tuple[int, float]], config: StragglerConfig) -> Score:
@@ -85,51 +90,34 @@ def score(window: Iterable[tuple[int, float]], config: StragglerConfig) -> Score
         if not hot:
             break
         since, run = step, run + 1
-    slowdown = interquartile_mean(ratios) - 1 if ratios else 0.0
     # At first detection part of the window predates the onset and pulls the mean
     # down; the run since the onset says better how slow the machine is now.
     recent = ratios[-run:] if run >= 4 else ratios
     return Score(
-        slowdown=slowdown,
+        slowdown=interquartile_mean(ratios) - 1 if ratios else 0.0,
         confidence=sum(above) / len(ratios) if ratios else 0.0,
         since_step=since,
         run_slowdown=interquartile_mean(recent) - 1 if recent else 0.0,
     )
 
 
-def interquartile_mean(values: list[float]) -> float:
-    """Mean of the middle half: as robust to spikes as the median, and with about 20%
-    less spread on noisy steps, so the same window tells a 10% straggler from noise
-    sooner."""
-    ordered = sorted(values)
-    k = len(ordered) // 4
-    middle = ordered[k : len(ordered) - k]
-    return sum(middle) / len(middle)
-
-
 @dataclass
 class _Rank:
     node: str
     window: deque[tuple[int, float]]
-    last_step: int = -1
     flagged: bool = False
-    worst: Score | None = None
 
 
 @dataclass
 class _Job:
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    pending: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> busy
     frontier: int = -1  # every step up to here has been scored
-    max_step: int = -1
     flagged_nodes: dict[str, set[int]] = field(default_factory=dict)
-    last_seen: float = 0.0
 
 
 class StragglerDetector(Detector):
     name = "straggler"
     Config = StragglerConfig
-    consumes = (wire.IterBatch,)
     tick_interval = timedelta(seconds=1)
     config: StragglerConfig
 
@@ -137,85 +125,84 @@ class StragglerDetector(Detector):
         super().__init__(config, context=context)
         self.jobs: dict[str, _Job] = {}
 
-    def observe(self, event: Any, now: float) -> Iterable[events.Event]:
-        job = self.jobs.get(event.job)
-        if job is None:
-            job = self.jobs[event.job] = _Job()
-        job.last_seen = now
-        rank = job.ranks.get(event.rank)
-        if rank is None:
-            rank = job.ranks[event.rank] = _Rank(event.node, deque(maxlen=self.config.window_steps))
-        elif rank.node != event.node:
-            # The rank moved to another machine (a migration): its history was the
-            # old machine's, and so is its flag.
-            yield from self._unflag(event.job, job, event.rank, now, "rank moved away")
-            rank.node = event.node
-            rank.window.clear()
-        for s in event.steps:
-            if s.step <= job.frontier:
-                continue  # already scored without it
-            job.pending.setdefault(s.step, {})[event.rank] = s.step_s - s.allreduce_s
-            rank.last_step = max(rank.last_step, s.step)
-            job.max_step = max(job.max_step, s.step)
-
     def tick(self, now: float) -> Iterable[events.Event]:
-        for name in [
-            n for n, j in self.jobs.items() if now - j.last_seen > self.config.forget_after_s
-        ]:
-            del self.jobs[name]
-        for name, job in self.jobs.items():
-            yield from self._advance(name, job, now)
+        view_jobs = self.context.view.jobs
+        for name in [n for n in self.jobs if n not in view_jobs]:
+            del self.jobs[name]  # the view forgot it
+        for name, vjob in view_jobs.items():
+            job = self.jobs.get(name)
+            if job is None:
+                job = self.jobs[name] = _Job()
+            yield from self._advance(name, vjob, job, now)
 
-    def _advance(self, name: str, job: _Job, now: float) -> Iterator[events.Event]:
+    def _advance(self, name: str, vjob: JobView, job: _Job, now: float) -> Iterator[events.Event]:
         cfg = self.config
-        live = [
-            r.last_step
-            for r in job.ranks.values()
-            if r.last_step >= job.max_step - cfg.stall_lag_steps
-        ]
-        if not live:
+        ranks = vjob.ranks
+        if not ranks:
             return
-        ready = min(live)
-        # Bound memory: steps that can no longer complete are scored with what came.
-        ready = max(ready, job.max_step - cfg.max_pending_steps)
+        yield from self._follow_moves(name, vjob, job, now)
+        front = max(r.last_step for r in ranks.values())
+        ready = min(
+            r.last_step for r in ranks.values() if r.last_step >= front - cfg.stall_lag_steps
+        )
+        # The rings hold the last `window` steps of each rank; older ones are gone.
+        oldest = front - min(r.window for r in ranks.values()) + 1
         touched: set[int] = set()
-        for step in sorted(s for s in job.pending if s <= ready):
-            values = job.pending.pop(step)
+        for step in range(max(job.frontier + 1, oldest), ready + 1):
+            values = {}
+            for r, state in ranks.items():
+                busy = state.busy_at(step)
+                if busy is not None:
+                    values[r] = busy
             if len(values) >= cfg.min_ranks:
                 median = statistics.median(values.values())
                 if median > 0:
                     for r, busy in values.items():
-                        job.ranks[r].window.append((step, busy / median))
+                        track = job.ranks.get(r)
+                        if track is None:
+                            track = job.ranks[r] = _Rank(
+                                ranks[r].node, deque(maxlen=cfg.window_steps)
+                            )
+                        track.window.append((step, busy / median))
                         touched.add(r)
-            job.frontier = max(job.frontier, step)
+        job.frontier = max(job.frontier, ready)
         for r in touched:
             yield from self._judge(name, job, r, now)
+
+    def _follow_moves(
+        self, name: str, vjob: JobView, job: _Job, now: float
+    ) -> Iterator[events.Event]:
+        """A rank now on another machine (a migration): its history and its flag were
+        the old machine's."""
+        for r, track in job.ranks.items():
+            state = vjob.ranks.get(r)
+            if state is not None and state.node != track.node:
+                yield from self._unflag(name, job, r, now, "rank moved away")
+                track.node = state.node
+                track.window.clear()
 
     def _judge(self, name: str, job: _Job, r: int, now: float) -> Iterator[events.Event]:
         cfg = self.config
         rank = job.ranks[r]
         if len(rank.window) < cfg.window_steps:
             return  # too little history (a rank that joined late)
-        last = rank.window[-1][1]
-        level = 1 + cfg.min_slowdown / 2
-        if not rank.flagged and last <= level:
+        if not rank.flagged and rank.window[-1][1] <= 1 + cfg.min_slowdown / 2:
             return  # the common case: a healthy step of a healthy rank, O(1)
         s = score(rank.window, cfg)
-        node = rank.node
-        flagged = job.flagged_nodes.setdefault(node, set())
         if (
             not rank.flagged
             and s.slowdown >= cfg.min_slowdown
             and s.confidence >= cfg.min_confidence
         ):
-            rank.flagged, rank.worst = True, s
+            rank.flagged = True
+            flagged = job.flagged_nodes.setdefault(rank.node, set())
             first = not flagged
             flagged.add(r)
             if first:
                 yield events.StragglerFound(
                     ts=now,
                     job=name,
-                    node=node,
+                    node=rank.node,
                     slowdown=round(s.run_slowdown, 4),
                     confidence=round(s.confidence, 3),
                     since_step=s.since_step,

@@ -45,7 +45,8 @@ class Subscription:
                 await self._wakeup.wait()
             else:
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), max_wait_s)
+                    async with asyncio.timeout(max_wait_s):  # no task, unlike wait_for
+                        await self._wakeup.wait()
                 except TimeoutError:
                     return []
         out = list(self._queue)

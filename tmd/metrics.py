@@ -4,7 +4,12 @@
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 import tmd
 
@@ -23,31 +28,85 @@ REJECT_REASONS = (
 MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "job_status", "ack", "unknown")
 
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Tally:
+    """A lock-free counter for the single-threaded ingest loop."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+
+class FastHistogram:
+    """Fixed buckets counted in a list; cumulated only when scraped."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _IngestCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        for name, doc, label, tallies in (
+            (
+                "tmd_messages_received",
+                "MQTT messages received (valid or not), by topic kind",
+                "kind",
+                m.received_by,
+            ),
+            (
+                "tmd_messages_rejected",
+                "MQTT messages dropped as invalid, by reason",
+                "reason",
+                m.rejected_by,
+            ),
+            ("tmd_rank_steps", "Rank step reports, by outcome", "outcome", m.steps_by),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for key, tally in tallies.items():
+                family.add_metric([key], tally.value)
+            yield family
+        h = m.latency
+        cumulative, buckets = 0, []
+        for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        yield HistogramMetricFamily(
+            "tmd_ingest_latency_seconds",
+            "Sender timestamp to applied in the cluster view (includes clock skew)",
+            buckets=buckets,
+            sum_value=h.sum,
+        )
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         Info("tmd_build", "tmd version", registry=r).info({"version": tmd.__version__})
-        self.received = Counter(
-            "tmd_messages_received_total",
-            "MQTT messages received (valid or not), by topic kind",
-            ["kind"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "tmd_messages_rejected_total",
-            "MQTT messages dropped as invalid, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.steps = Counter(
-            "tmd_rank_steps_total", "Rank step reports, by outcome", ["outcome"], registry=r
-        )
-        self.latency = Histogram(
-            "tmd_ingest_latency_seconds",
-            "Sender timestamp to applied in the cluster view (includes clock skew)",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=r,
-        )
+        # The ingest hot path counts in plain integers, exported at scrape time: a
+        # prometheus_client child takes a lock per update, several per message.
+        self.received_by = {k: Tally() for k in MESSAGE_KINDS}
+        self.rejected_by = {k: Tally() for k in REJECT_REASONS}
+        self.steps_by = {k: Tally() for k in ("accepted", "duplicate", "late")}
+        self.latency = FastHistogram(LATENCY_BUCKETS)
+        r.register(_IngestCollector(self))
         self.mqtt_connected = Gauge(
             "tmd_mqtt_connected", "1 while subscribed to the broker", registry=r
         )
@@ -85,7 +144,3 @@ class Metrics:
         self.loop_lag = Gauge(
             "tmd_event_loop_lag_seconds", "Last measured event-loop scheduling lag", registry=r
         )
-        # Bound children once: labels() takes a lock and a dict lookup per call.
-        self.rejected_by = {k: self.rejected.labels(reason=k) for k in REJECT_REASONS}
-        self.received_by = {k: self.received.labels(kind=k) for k in MESSAGE_KINDS}
-        self.steps_by = {k: self.steps.labels(outcome=k) for k in ("accepted", "duplicate", "late")}

@@ -79,6 +79,15 @@ class RankState:
         self.total_steps += 1
         return "ok"
 
+    def busy_at(self, step: int) -> float | None:
+        """Time the rank spent on ``step`` other than waiting for its peers (the step
+        minus the all-reduce wait), or None if the step is not held."""
+        slot = step % self.window
+        if self.steps[slot] != step:
+            return None
+        base = slot * _NF
+        return self.timings[base] - self.timings[base + 2]
+
     def reset(self) -> None:
         """Forget the held steps (kept: the counters, which only ever grow)."""
         for i in range(self.window):

@@ -41,9 +41,16 @@ class Outcome:
 
 
 def replay(
-    trace: traces.Trace, detectors: Iterable[Plugin], *, tick_s: float = 1.0, tail_s: float = 120.0
+    trace: traces.Trace,
+    detectors: Iterable[Plugin],
+    view: ClusterView,
+    *,
+    tick_s: float = 1.0,
+    tail_s: float = 120.0,
 ) -> Outcome:
-    """Feed the trace to the detectors in time order, ticking every ``tick_s``."""
+    """Feed the trace in time order to the view (as ingest does) and to the detectors
+    that consume messages, ticking every ``tick_s``; the detectors' context must hold
+    the same ``view``."""
     dets = list(detectors)
     out = Outcome()
     front = 0
@@ -59,8 +66,10 @@ def replay(
     for t, batch in trace.batches:
         tick_until(t)
         front = max(front, batch.steps[-1].step)
+        view.apply_iter(batch, t)
         for d in dets:
-            out.found.extend((e, front) for e in d.observe(batch, t))
+            if d.consumes:
+                out.found.extend((e, front) for e in d.observe(batch, t))
     tick_until(next_tick + tail_s)
     return out
 
@@ -128,6 +137,7 @@ class NaiveDetector(Plugin):
     mean by ``min_slowdown`` (what a dashboard alert on step time does)."""
 
     name = "naive"
+    consumes = (wire.IterBatch,)
 
     def __init__(self, window: int, min_slowdown: float) -> None:
         self.window, self.min = window, min_slowdown
@@ -237,26 +247,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = p.parse_args(argv)
     scfg, rcfg = StragglerConfig(), RankStalledConfig()
-    context = Context(view=ClusterView(), clock=SystemClock())
     clean = {s for s in traces.SCENARIOS if s.startswith("clean")}
-    ours, naive, per_scenario = [], [], {}
+    ours, baseline, per_scenario = [], [], {}
     started = time.process_time()
     for scenario in traces.SCENARIOS:
         rows = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             trace = traces.build(scenario, seed)
+            view = ClusterView()
+            context = Context(view=view, clock=SystemClock())
             dets: list[Plugin] = [
                 StragglerDetector(scfg, context=context),
                 RankStalledDetector(rcfg, context=context),
             ]
-            r = score_trace(trace, replay(trace, dets), scfg.window_steps)
+            r = score_trace(trace, replay(trace, dets, view), scfg.window_steps)
             r["scenario"] = scenario
             rows.append(r)
-            b = score_trace(
-                trace, replay(trace, [NaiveDetector(scfg.window_steps, 0.08)]), scfg.window_steps
-            )
+            naive = [NaiveDetector(scfg.window_steps, 0.08)]
+            b = score_trace(trace, replay(trace, naive, ClusterView()), scfg.window_steps)
             b["scenario"] = scenario
-            naive.append(b)
+            baseline.append(b)
         ours.extend(rows)
         lat = [x for r in rows for x in r["latencies"]]
         per_scenario[scenario] = {
@@ -280,7 +290,7 @@ def main(argv: list[str]) -> int:
     out["rank_stall_recall"] = (
         round(sum(r["stalls_found"] for r in ours) / stalls, 4) if stalls else None
     )
-    base = _summary(naive, clean)
+    base = _summary(baseline, clean)
     out.update({f"naive_{k}": v for k, v in base.items()})
     out["min_slowdown"], out["min_steps"] = MIN_SLOWDOWN, MIN_STEPS
     out["traces"] = len(ours)

@@ -21,34 +21,36 @@ def b(rank: int, step: int) -> wire.IterBatch:
     )
 
 
-def test_stalled_rank_is_reported_once_and_rearms() -> None:
+def make() -> tuple[ClusterView, RankStalledDetector]:
+    view = ClusterView()
     det = RankStalledDetector(
         RankStalledConfig(stall_after_s=10, stall_steps=5),
-        context=Context(view=ClusterView(), clock=SystemClock()),
+        context=Context(view=view, clock=SystemClock()),
     )
+    return view, det
+
+
+def test_stalled_rank_is_reported_once_and_rearms() -> None:
+    view, det = make()
     out: list[events.Event] = []
     for step in range(1, 41):
-        t = T0 + step
         for r in range(4):
             if r != 2 or step <= 20:
-                list(det.observe(b(r, step), t))
-        out += det.tick(t)
+                view.apply_iter(b(r, step), T0 + step)
+        out += det.tick(T0 + step)
     assert [(e.rank, e.last_step, e.node) for e in out] == [(2, 20, "n2")]  # type: ignore[attr-defined]
-    list(det.observe(b(2, 41), T0 + 41))  # it is back
-    later = []
+    view.apply_iter(b(2, 41), T0 + 41)  # it is back ...
+    later: list[events.Event] = []
     for step in range(42, 70):
         for r in (0, 1, 3):
-            list(det.observe(b(r, step), T0 + step))
+            view.apply_iter(b(r, step), T0 + step)
         later += det.tick(T0 + step)
-    assert [e.rank for e in later] == [2]  # type: ignore[attr-defined]
+    assert [(e.rank, e.last_step) for e in later] == [(2, 41)]  # type: ignore[attr-defined]
 
 
 def test_whole_job_stop_is_not_a_rank_stall() -> None:
-    det = RankStalledDetector(
-        RankStalledConfig(stall_after_s=10, stall_steps=5),
-        context=Context(view=ClusterView(), clock=SystemClock()),
-    )
+    view, det = make()
     for step in range(1, 20):
         for r in range(4):
-            list(det.observe(b(r, step), T0 + step))
+            view.apply_iter(b(r, step), T0 + step)
     assert list(det.tick(T0 + 100)) == []

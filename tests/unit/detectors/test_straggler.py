@@ -15,11 +15,11 @@ SHAPE = dict(ranks=16, ranks_per_node=4, steps=220)
 
 
 def run(effects: traces.Effects, seed: int = 0, **shape: float) -> list[tuple[events.Event, int]]:
-    trace = traces.generate("t", seed, traces.JobShape(**{**SHAPE, **shape}), effects)  # type: ignore[arg-type]
-    det = StragglerDetector(
-        StragglerConfig(), context=Context(view=ClusterView(), clock=SystemClock())
-    )
-    return replay(trace, [det]).found
+    shaped = traces.JobShape(**{**SHAPE, **shape})  # type: ignore[arg-type]
+    trace = traces.generate("t", seed, shaped, effects)
+    view = ClusterView()
+    det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
+    return replay(trace, [det], view).found
 
 
 def found(out: list[tuple[events.Event, int]]) -> list[tuple[str, int]]:
@@ -70,25 +70,22 @@ def test_two_stragglers_at_once() -> None:
 
 
 def test_a_rank_that_moves_to_another_machine_clears_the_old_one() -> None:
-    det = StragglerDetector(
-        StragglerConfig(), context=Context(view=ClusterView(), clock=SystemClock())
-    )
-    trace = traces.generate(
-        "t",
-        0,
-        traces.JobShape(**SHAPE),  # type: ignore[arg-type]
-        traces.Effects(slow=[((3,), 20, None, 0.3)]),
-    )
-    out = replay(trace, [det], tail_s=0).found
+    view = ClusterView()
+    det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
+    shape = traces.JobShape(**SHAPE)  # type: ignore[arg-type]
+    trace = traces.generate("t", 0, shape, traces.Effects(slow=[((3,), 20, None, 0.3)]))
+    out = replay(trace, [det], view, tail_s=0).found
     assert found(out) and found(out)[0][0] == "node-000"
+    t = traces.T0 + 1e4
     moved = wire.IterBatch(
-        ts=traces.T0 + 1e4,
+        ts=t,
         job="t-0",
         rank=3,
         node="standby-0",
-        steps=[wire.StepTiming(221, traces.T0 + 1e4, 1, 0.6, 0.3, 0.05, 0.05)],
+        steps=[wire.StepTiming(221, t, 1, 0.6, 0.3, 0.05, 0.05)],
     )
-    cleared = list(det.observe(moved, traces.T0 + 1e4))
+    view.apply_iter(moved, t)
+    cleared = list(det.tick(t))
     assert [(type(e).__name__, e.node) for e in cleared] == [("StragglerCleared", "node-000")]
 
 
