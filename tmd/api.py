@@ -127,7 +127,7 @@ class Api:
         job = request.query.get("job") or None
         ranks = request.query.get("ranks", "1") not in ("0", "false", "no")
         now = self._clock.now()
-        snapshot = self._view.snapshot(now, job=job, ranks=False)
+        snapshot = self._view.snapshot(now, job=job)
         if ranks:
             for j in snapshot["jobs"]:
                 view_job = self._view.jobs.get(j["job"])

@@ -275,12 +275,13 @@ class ClusterView:
     def total_steps(self) -> int:
         return sum(r.total_steps for j in self.jobs.values() for r in j.ranks.values())
 
-    def snapshot(self, now: float, *, job: str | None = None, ranks: bool = True) -> dict[str, Any]:
-        """A JSON-able picture for the API and ``tmd status``."""
+    def snapshot(self, now: float, *, job: str | None = None) -> dict[str, Any]:
+        """A JSON-able picture for the API and ``tmd status``, without per-rank rows
+        (``rank_rows`` gives those in chunks)."""
         jobs = [v for k, v in sorted(self.jobs.items()) if job is None or k == job]
         return {
             "ts": now,
-            "jobs": [_job_json(j, now, ranks=ranks) for j in jobs],
+            "jobs": [_job_json(j, now) for j in jobs],
             "nodes": [_node_json(n, now) for _, n in sorted(self.nodes.items())],
             "totals": {"jobs": len(self.jobs), "nodes": len(self.nodes), "ranks": self.total_ranks},
         }
@@ -316,7 +317,7 @@ def _median(values: list[float]) -> float | None:
     return ordered[len(ordered) // 2]
 
 
-def _job_json(j: JobView, now: float, *, ranks: bool) -> dict[str, Any]:
+def _job_json(j: JobView, now: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "job": j.job,
         "state": j.state,
@@ -329,8 +330,6 @@ def _job_json(j: JobView, now: float, *, ranks: bool) -> dict[str, Any]:
         ],
         "last_seen_s": round(now - j.last_seen, 3),
     }
-    if ranks:
-        out["ranks"] = [row for rows in rank_rows(j, now) for row in rows]
     return out
 
 
