@@ -146,6 +146,35 @@ def holds(r: dict[str, Any]) -> bool:
     return r["loss"] == 0 and p99 is not None and p99 < 1.0
 
 
+def _search(host: str, port: int, start: int, start_holds: bool, flush_s: float) -> dict[str, Any]:
+    """Double N from ``start`` until the target fails, then bisect to within 1/8."""
+    tried: list[dict[str, Any]] = []
+
+    def holds_at(n: int) -> bool:
+        r = asyncio.run(
+            _measure(
+                host=host, port=port, ranks=n, seconds=10.0, flush_s=flush_s, stock_iterator=False
+            )
+        )
+        keys = ("ranks", "loss", "p99_latency_s", "rss_mb", "messages_per_s", "cpu_fraction")
+        tried.append({k: r[k] for k in keys})
+        return holds(r)
+
+    lo, hi = (start, None) if start_holds else (0, start)
+    while hi is None and lo < (1 << 20):
+        if holds_at(lo * 2):
+            lo *= 2
+        else:
+            hi = lo * 2
+    while hi is not None and lo and hi - lo > lo // 8:
+        mid = (lo + hi) // 2
+        if holds_at(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"search": tried, "largest_ranks_holding": lo, "smallest_ranks_failing": hi}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="tmd bench ingest",
@@ -205,37 +234,7 @@ def main(argv: list[str]) -> int:
                 out["cpu_us_per_message"] / max(1e-9, base["cpu_us_per_message"]), 3
             )
         if args.search_max:
-            n, largest = args.ranks, args.ranks if out["holds_target"] else 0
-            tried = []
-            while largest == n and n < (1 << 20):
-                n *= 2
-                r = asyncio.run(
-                    _measure(
-                        host=host,
-                        port=port,
-                        ranks=n,
-                        seconds=10.0,
-                        flush_s=args.flush_s,
-                        stock_iterator=False,
-                    )
-                )
-                tried.append(
-                    {
-                        k: r[k]
-                        for k in (
-                            "ranks",
-                            "loss",
-                            "p99_latency_s",
-                            "rss_mb",
-                            "messages_per_s",
-                            "cpu_fraction",
-                        )
-                    }
-                )
-                if holds(r):
-                    largest = n
-            out["search"] = tried
-            out["largest_ranks_holding"] = largest
+            out.update(_search(host, port, args.ranks, out["holds_target"], args.flush_s))
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0
