@@ -14,7 +14,7 @@ import asyncio
 import sqlite3
 from typing import Any
 
-from tmd import events, log, plugins, sdnotify
+from tmd import events, log, plugins, requests, sdnotify
 from tmd.api import Api
 from tmd.bus import Bus
 from tmd.clock import Clock, SystemClock
@@ -69,11 +69,13 @@ class Daemon:
             clock=self.clock,
             health=self.health,
         )
+        for route in requests.routes(self.emit, now=self.clock.now):
+            self.api.add_route(route.method, route.path, route.handler)
         self.ready = asyncio.Event()
         self.loop_lag_s = 0.0
 
     def emit(self, event: events.Event, source: str) -> None:
-        """A plug-in's output: journal it, count it, log it, pass it on."""
+        """A finding, decision or request: journal it, count it, log it, pass it on."""
         kind = type(event).__name__
         self.metrics.events.labels(kind=kind).inc()
         try:
@@ -82,7 +84,7 @@ class Daemon:
             self.metrics.journal_errors.inc()
             self.log.error("journal write failed", error=str(exc), kind=kind)
         self.log.info(
-            "decision" if isinstance(event, events.Decision) else "finding",
+            _what(event),
             kind=kind,
             source=source,
             **{k: v for k, v in _fields(event).items() if k != "ts"},
@@ -151,6 +153,14 @@ class Daemon:
 
     def _on_bus_drop(self, subscriber: str) -> None:
         self.metrics.bus_dropped.labels(subscriber=subscriber).inc()
+
+
+def _what(event: events.Event) -> str:
+    if isinstance(event, events.Decision):
+        return "decision"
+    if isinstance(event, events.Request):
+        return "request"
+    return "finding"
 
 
 def _fields(event: events.Event) -> dict[str, Any]:

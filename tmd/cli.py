@@ -77,6 +77,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             q.add_argument("--kind", help="only events of this kind (e.g. NodeLost)")
             q.add_argument("--limit", type=int, default=50)
 
+    for name, text in (
+        ("drain", "move every job's work off a node (maintenance)"),
+        ("migrate", "move one job's work off a node, optionally to a standby"),
+    ):
+        q = sub.add_parser(name, help=text)
+        if name == "drain":
+            q.add_argument("node")
+        else:
+            q.add_argument("--job", required=True)
+            q.add_argument("--node", required=True)
+            q.add_argument("--to", help="the standby to use (default: the actuator picks)")
+        q.add_argument("--api", help="daemon API base URL (default: from --config)")
+        q.add_argument("--config", help="read the API address and token from this config")
+        q.add_argument(
+            "--token-file",
+            help="bearer token file (default: $TMD_API_TOKEN, "
+            "else api.token / api.token_file of the config)",
+        )
+        q.add_argument("--by", default=os.environ.get("USER", ""), help="who asks (journaled)")
+
     demo = sub.add_parser("demo", help="a live demo on a private broker (see README)")
     demo.add_argument("--seconds", type=float, default=45.0)
     demo.add_argument("--ranks", type=int, default=8)
@@ -103,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(args)
         if args.verb == "events":
             return _events(args)
+        if args.verb in ("drain", "migrate"):
+            return _request(args)
         if args.verb == "demo":
             from tmd import demo as demo_mod
 
@@ -175,6 +197,42 @@ def _get(url: str) -> Any:
             return json.load(resp)
     except urllib.error.URLError as exc:
         raise TmdError(f"cannot reach the daemon at {url}: {exc.reason}") from None
+
+
+def _token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        with open(args.token_file) as f:
+            return f.read().strip()
+    if os.environ.get("TMD_API_TOKEN"):
+        return os.environ["TMD_API_TOKEN"]
+    from tmd.api import read_token
+
+    return read_token(config_mod.api_address(_config_path(args.config)))
+
+
+def _request(args: argparse.Namespace) -> int:
+    if args.verb == "drain":
+        path, body = "drain", {"node": args.node, "requested_by": args.by}
+    else:
+        path = "migrate"
+        body = {"job": args.job, "node": args.node, "to": args.to, "requested_by": args.by}
+    request = urllib.request.Request(
+        f"{_api_base(args)}/api/v1/{path}",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {_token(args)}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            print(f"{args.verb}: accepted ({resp.status}); `tmd events` shows what was decided")
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(
+            f"tmd {args.verb}: refused ({exc.code}): {exc.read().decode()[:500]}", file=sys.stderr
+        )
+        return 1
+    except urllib.error.URLError as exc:
+        raise TmdError(f"cannot reach the daemon: {exc.reason}") from None
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -1,0 +1,34 @@
+"""``tmd launch``: workers and standbys from one command line, ended cleanly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runtime_conftest_helpers import SCRIPT, final_params, losses
+from tmd.runtime.launch import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_launch_runs_the_job_and_idle_standbys_exit_when_it_stops(tmp_path: Path) -> None:
+    rc = main(["--nproc", "2", "--standby", "1", "--job", "launched", SCRIPT,
+               "--steps", "12", "--sleep", "0", "--out", str(tmp_path)])  # fmt: skip
+
+    assert rc == 0
+    assert torch_equal_all(final_params(tmp_path, 0), final_params(tmp_path, 1))
+    assert {step for _, step in losses(tmp_path)} == set(range(12))
+    assert (tmp_path / "losses-standby0.json").read_text() == "[]"  # shadow losses not kept
+
+
+def torch_equal_all(a: dict[str, object], b: dict[str, object]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # type: ignore[arg-type]
+
+
+def test_launch_rejects_a_bad_world(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--nproc", "0", SCRIPT])
+    assert "--nproc" in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""Planned migrations of a real multi-process gloo job, driven by ``JobController``.
+
+Every test runs the same tiny job as an unmigrated reference and checks that the
+migrated (or aborted) run ends with bit-identical parameters on every rank and
+computed bit-identical losses at every (rank, step).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runtime_conftest_helpers import assert_same_as, run_job
+from tmd.runtime import JobController
+
+pytestmark = pytest.mark.slow
+
+NPROC = 3
+STEPS = 80
+ACK_TIMEOUT = timedelta(seconds=60)
+JOB_TIMEOUT = timedelta(seconds=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    job = run_job(out, nproc=NPROC, steps=STEPS)
+    assert set(job.wait(JOB_TIMEOUT).values()) == {0}
+    return out
+
+
+@pytest.fixture
+def job_factory() -> Iterator[list[object]]:
+    jobs: list[object] = []
+    yield jobs
+    for job in jobs:
+        job.terminate()  # type: ignore[attr-defined]
+
+
+def start(out: Path, jobs: list[object], *, standby: int = 1, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
+    job = run_job(out, nproc=NPROC, standby=standby, steps=STEPS, extra=extra)
+    jobs.append(job)
+    return job, JobController(job.store, job="job")
+
+
+def test_planned_migration_matches_unmigrated_run(
+    tmp_path: Path, reference: Path, job_factory: list[object]
+) -> None:
+    job, ctl = start(tmp_path, job_factory)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    ctl.switch("m1")
+    switched = ctl.wait_acks("m1", "switched", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0, "standby0": 0}
+    joiner = next(a for a in switched if a.node == "standby0")
+    assert joiner.rank == 1 and joiner.generation == 1
+    assert all(a.downtime is not None for a in switched if a.node != "worker1")
+    status = ctl.status()
+    assert status is not None and status.state == "stopped"
+    assert [m.node for m in status.members] == ["worker0", "standby0", "worker2"]
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+def test_two_migrations_in_a_row(
+    tmp_path: Path, reference: Path, job_factory: list[object]
+) -> None:
+    job, ctl = start(tmp_path, job_factory, standby=2)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.switch("m1")
+    ctl.wait_acks("m1", "switched", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    # The joiner of the first migration is the leaver of the second.
+    ctl.prepare("m2", leaver="standby0", joiner="standby1")
+    ctl.switch("m2")
+    ctl.wait_acks("m2", "switched", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert set(codes.values()) == {0}
+    status = ctl.status()
+    assert status is not None
+    assert [m.node for m in status.members] == ["worker0", "standby1", "worker2"]
+    assert status.generation == 2
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+def test_abort_during_prepare_keeps_the_old_group(
+    tmp_path: Path, reference: Path, job_factory: list[object]
+) -> None:
+    job, ctl = start(tmp_path, job_factory)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    ctl.abort("m1", reason="operator changed their mind")
+    aborted = ctl.wait_acks("m1", "aborted", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert {a.node for a in aborted} == {"worker0", "worker1", "worker2", "standby0"}
+    assert set(codes.values()) == {0}
+    status = ctl.status()
+    assert status is not None and status.generation == 0
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+def test_abort_after_switch_requested_keeps_the_old_group(
+    tmp_path: Path, reference: Path, job_factory: list[object]
+) -> None:
+    job, ctl = start(tmp_path, job_factory)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.switch("m1", at_step=10_000)  # requested, agreed boundary not reached yet
+    ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    ctl.abort("m1")
+    ctl.wait_acks("m1", "aborted", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    assert set(job.wait(JOB_TIMEOUT).values()) == {0}
+    assert not [a for a in ctl.acks() if a.kind == "switched"]
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+def test_joiner_dying_inside_the_switch_rolls_back_to_the_old_group(
+    tmp_path: Path, reference: Path, job_factory: list[object]
+) -> None:
+    # The joiner exits after the leaver sent the switch message and before the
+    # commit: the commit vote fails, the leaver stays, nothing is lost.
+    job, ctl = start(tmp_path, job_factory, extra=["--fault", "joiner-dies-at-switch"])
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.switch("m1")
+    aborted = ctl.wait_acks("m1", "aborted", count=NPROC, timeout=ACK_TIMEOUT)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert {a.node for a in aborted} == {"worker0", "worker1", "worker2"}
+    assert codes["standby0"] != 0
+    assert {codes[f"worker{r}"] for r in range(NPROC)} == {0}
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+def test_standby_dying_during_prepare_aborts_the_migration(
+    tmp_path: Path, reference: Path, job_factory: list[object]
+) -> None:
+    job, ctl = start(tmp_path, job_factory)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    job.kill("standby0", signal.SIGKILL)
+    aborted = ctl.wait_acks("m1", "aborted", count=NPROC, timeout=ACK_TIMEOUT)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert {a.node for a in aborted} == {"worker0", "worker1", "worker2"}
+    assert codes["standby0"] == -signal.SIGKILL
+    assert {codes[f"worker{r}"] for r in range(NPROC)} == {0}
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+def test_killed_rank_is_replaced_from_a_replica_without_rollback(
+    tmp_path: Path, job_factory: list[object]
+) -> None:
+    # Four ranks, so that some survivors are not ring neighbours of the dead rank:
+    # their collective hangs instead of failing, and must be interrupted.
+    world = 4
+    quiet = ["--no-noise"]  # the dead rank's RNG streams die with it
+    reference = tmp_path / "reference"
+    ref_job = run_job(reference, nproc=world, steps=STEPS, extra=quiet)
+    job_factory.append(ref_job)
+    assert set(ref_job.wait(JOB_TIMEOUT).values()) == {0}
+
+    out = tmp_path / "failover"
+    job = run_job(out, nproc=world, standby=1, steps=STEPS,
+                  extra=[*quiet, "--kill-rank", "1", "--kill-step", "20"])  # fmt: skip
+    job_factory.append(job)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert codes == {"worker0": 0, "worker1": -signal.SIGKILL, "worker2": 0, "worker3": 0,
+                     "standby0": 0}  # fmt: skip
+    status = JobController(job.store, job="job").status()
+    assert status is not None and status.generation == 1
+    assert [m.node for m in status.members] == ["worker0", "standby0", "worker2", "worker3"]
+    # Step 20 was finished by the standby, and nothing was rolled back.
+    assert_same_as(out, reference, world, losses_from=20)
