@@ -94,7 +94,7 @@ def train(argv: list[str]) -> None:
                 xb = x[idx] if args.no_noise else x[idx] + 0.01 * noise * random.random()
                 yb = y[idx]
             loss = torch.nn.functional.mse_loss(model(xb), yb)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             if env.role == "worker" and env.rank == args.kill_rank and step == args.kill_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-step: before the all-reduce
             if not s.is_shadow:

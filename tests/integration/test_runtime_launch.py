@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.runtime_conftest_helpers import SCRIPT, final_params, losses
 from tmd.runtime.launch import main
@@ -22,10 +23,8 @@ def test_launch_runs_the_job_and_idle_standbys_exit_when_it_stops(tmp_path: Path
     assert (tmp_path / "losses-standby0.json").read_text() == "[]"  # shadow losses not kept
 
 
-def torch_equal_all(a: dict[str, object], b: dict[str, object]) -> bool:
-    import torch
-
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # type: ignore[arg-type]
+def torch_equal_all(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_launch_rejects_a_bad_world(capsys: pytest.CaptureFixture[str]) -> None:

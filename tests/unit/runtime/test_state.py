@@ -51,7 +51,10 @@ def test_bulk_and_small_state_make_a_fresh_replica_identical() -> None:
         for key, value in source.optimizer.state[p_src].items():
             assert torch.equal(target.optimizer.state[p_dst][key], value)
     # Both read the same batches from here on.
-    assert target.stateful["sampler"].next_batch() == source.stateful["sampler"].next_batch()
+    target_sampler, source_sampler = target.stateful["sampler"], source.stateful["sampler"]
+    assert isinstance(target_sampler, ResumableSampler)
+    assert isinstance(source_sampler, ResumableSampler)
+    assert target_sampler.next_batch() == source_sampler.next_batch()
 
 
 def test_rng_state_round_trip_restores_all_three_streams() -> None:

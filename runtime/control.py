@@ -1,0 +1,273 @@
+"""Control channels: how prepare / switch / abort reach the ranks, and acks leave.
+
+A session talks to a ``ControlChannel``: ``poll`` returns the commands that arrived
+since the last boundary without waiting for anything, ``ack`` and
+``publish_status`` queue a message and return. Network I/O happens only in the
+channel's background thread, so a slow or absent broker never stalls a step.
+
+Two channels speak the same v1 wire messages (``tmd.wire``):
+
+- ``StoreControl`` keeps an append-only log of commands and acks in the job's
+  TCPStore. ``JobController`` writes that log: the direct Python API that drives
+  migrations in tests and scripts without a broker.
+- ``MqttControl`` (``tmd.runtime.mqtt``) subscribes to ``tmd/v1/job/{job}/ctl``.
+
+Both also keep the standby registry in the store, which is where the job's status
+finds its standbys and where failover finds a ready one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import msgspec
+from torch._C._distributed_c10d import Store
+
+from tmd import wire
+from tmd.errors import MigrationError, ProtocolError
+from tmd.runtime.group import StoreAddress, connect_store
+
+CTL_LOG = "tmd/ctl"
+ACK_LOG = "tmd/ack"
+STATUS_KEY = "tmd/status"
+STANDBY_LIST = "tmd/standbys"
+
+
+def standby_key(node: str) -> str:
+    return f"tmd/standby/{node}"
+
+
+class ControlChannel(Protocol):
+    def poll(self) -> list[wire.Prepare | wire.Switch | wire.Abort]: ...
+    def ack(self, ack: wire.Ack) -> None: ...
+    def publish_status(self, status: wire.JobStatus) -> None: ...
+    def stopped(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+# -- the store log ---------------------------------------------------------------------
+
+
+def put(store: Store, key: str, value: bytes) -> None:
+    store.set(key, value)  # type: ignore[arg-type]  # the binding takes bytes too
+
+
+def append(store: Store, log: str, payload: bytes) -> int:
+    """Reserve the next index of ``log``, then write it; readers block briefly on a
+    reserved index until it is written, so several writers never collide."""
+    index = int(store.add(f"{log}/n", 1))
+    put(store, f"{log}/{index}", payload)
+    return index
+
+
+def read_from(store: Store, log: str, start: int) -> list[bytes]:
+    """Entries ``start, start + 1, ...`` of ``log`` that exist now (1-based)."""
+    count = int(store.add(f"{log}/n", 0))
+    return [bytes(store.get(f"{log}/{i}")) for i in range(start, count + 1)]
+
+
+def register_standby(store: Store, info: wire.StandbyInfo) -> None:
+    first = not store.check([standby_key(info.node)])
+    put(store, standby_key(info.node), wire.encode(info))
+    if first:
+        store.append(STANDBY_LIST, f"{info.node},")  # type: ignore[attr-defined]
+
+
+def standbys(store: Store) -> list[wire.StandbyInfo]:
+    if not store.check([STANDBY_LIST]):
+        return []
+    names = [n for n in bytes(store.get(STANDBY_LIST)).decode().split(",") if n]
+    found = [msgspec.json.decode(store.get(standby_key(n)), type=wire.StandbyInfo) for n in names]
+    return found
+
+
+def with_standbys(store: Store, status: wire.JobStatus) -> wire.JobStatus:
+    # A standby that joined stays registered; as a member it is no standby.
+    members = {m.node for m in status.members}
+    spare = [s for s in standbys(store) if s.node not in members]
+    return msgspec.structs.replace(status, standbys=spare)
+
+
+class _Poller:
+    """A daemon thread that runs ``tick`` every ``interval`` and drains an outbox.
+    Errors are counted and kept, never raised into training."""
+
+    def __init__(self, name: str, interval: timedelta, tick: Callable[[], None]) -> None:
+        self.outbox: queue.Queue[Callable[[], None]] = queue.Queue(maxsize=1024)
+        self.errors = 0
+        self.last_error: BaseException | None = None
+        self._tick = tick
+        self._interval = interval.total_seconds()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        try:
+            self.outbox.put_nowait(job)
+        except queue.Full:
+            self.errors += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for job in [*self._drain(), self._tick]:
+                try:
+                    job()
+                except Exception as exc:  # a store hiccup must not end the channel
+                    self.errors += 1
+                    self.last_error = exc
+            self._stop.wait(self._interval)
+        for job in self._drain():
+            try:
+                job()
+            except Exception:
+                self.errors += 1
+
+    def _drain(self) -> Iterable[Callable[[], None]]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        self._stop.set()
+        self._thread.join(timeout.total_seconds())
+
+
+class StoreControl:
+    """A ``ControlChannel`` over the job's TCPStore (tests, and jobs without a broker)."""
+
+    def __init__(
+        self,
+        address: StoreAddress,
+        *,
+        job: str,
+        poll_interval: timedelta = timedelta(milliseconds=20),
+        timeout: timedelta = timedelta(seconds=30),
+    ) -> None:
+        self.job = job
+        self.rejected = 0
+        self._store = connect_store(address, timeout=timeout)
+        self._next = 1
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stopped = False
+        self._poller = _Poller(f"tmd-ctl-{job}", poll_interval, self._tick)
+
+    def _tick(self) -> None:
+        for data in read_from(self._store, CTL_LOG, self._next):
+            self._next += 1
+            try:
+                message = wire.decode(data, wire.Control)
+            except ProtocolError:
+                self.rejected += 1
+                continue
+            if message.job == self.job:
+                self._inbox.put(message)
+        if self._store.check([STATUS_KEY]):
+            status = msgspec.json.decode(self._store.get(STATUS_KEY), type=wire.JobStatus)
+            self._stopped = status.state == "stopped"
+
+    def poll(self) -> list[wire.Prepare | wire.Switch | wire.Abort]:
+        out = []
+        while not self._inbox.empty():
+            out.append(self._inbox.get_nowait())
+        return out
+
+    def ack(self, ack: wire.Ack) -> None:
+        def write() -> None:
+            append(self._store, ACK_LOG, wire.encode(ack))
+
+        self._poller.submit(write)
+
+    def publish_status(self, status: wire.JobStatus) -> None:
+        def write() -> None:
+            put(self._store, STATUS_KEY, wire.encode(with_standbys(self._store, status)))
+
+        self._poller.submit(write)
+
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def close(self) -> None:
+        self._poller.close()
+
+
+class JobController:
+    """The direct Python API: drives the migration protocol through the store log.
+
+    Commands are the same wire messages the daemon sends over MQTT; ``wait_acks``
+    collects the runtime's answers.
+    """
+
+    def __init__(self, store: Store, *, job: str) -> None:
+        self.job = job
+        self._store = store
+        self._acks: list[wire.Ack] = []
+        self._next_ack = 1
+
+    def send(self, message: wire.Prepare | wire.Switch | wire.Abort) -> None:
+        append(self._store, CTL_LOG, wire.encode(message))
+
+    def prepare(self, migration_id: str, *, leaver: str, joiner: str) -> None:
+        self.send(
+            wire.Prepare(
+                ts=time.time(),
+                job=self.job,
+                migration_id=migration_id,
+                leaver=leaver,
+                joiner=joiner,
+            )
+        )
+
+    def switch(self, migration_id: str, *, at_step: int | None = None) -> None:
+        self.send(
+            wire.Switch(ts=time.time(), job=self.job, migration_id=migration_id, at_step=at_step)
+        )
+
+    def abort(self, migration_id: str, *, reason: str = "") -> None:
+        self.send(
+            wire.Abort(ts=time.time(), job=self.job, migration_id=migration_id, reason=reason)
+        )
+
+    def acks(self) -> list[wire.Ack]:
+        for data in read_from(self._store, ACK_LOG, self._next_ack):
+            self._next_ack += 1
+            self._acks.append(wire.decode(data, wire.Ack))
+        return list(self._acks)
+
+    def wait_acks(
+        self,
+        migration_id: str,
+        kind: str,
+        *,
+        count: int,
+        timeout: timedelta = timedelta(seconds=60),
+    ) -> list[wire.Ack]:
+        """Block until ``count`` nodes acked ``kind`` for ``migration_id``; raises
+        MigrationError on a ``failed`` ack or on timeout."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            mine = [a for a in self.acks() if a.migration_id == migration_id]
+            if kind != "failed" and any(a.kind == "failed" for a in mine):
+                raise MigrationError(f"{migration_id}: {[a.detail for a in mine]}")
+            found = [a for a in mine if a.kind == kind]
+            if len({a.node for a in found}) >= count:  # a repeated ack counts once
+                return found
+            if time.monotonic() > deadline:
+                raise MigrationError(f"{migration_id}: {len(found)}/{count} {kind} acks")
+            time.sleep(0.02)
+
+    def status(self) -> wire.JobStatus | None:
+        if not self._store.check([STATUS_KEY]):
+            return None
+        result: wire.JobStatus = msgspec.json.decode(
+            self._store.get(STATUS_KEY), type=wire.JobStatus
+        )
+        return result

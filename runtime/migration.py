@@ -1,0 +1,282 @@
+"""One planned migration as a member of the running job sees it (leaver or stayer).
+
+Everything here runs at step boundaries or inside the session's step, on the
+training thread, and never blocks on the joiner: groups are built by background
+threads and transfers are asynchronous.
+
+Agreement without extra round-trips: every step's gradient all-reduce carries a
+two-integer vote ``[ready, abort]``. All members see the same sums at the same
+boundary, so they all switch (``ready == world``) or all abort (``abort > 0``) at
+the same step, whatever order the commands reached them in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from tmd import wire
+from tmd.errors import MigrationError
+from tmd.runtime.group import Group, GroupBuilder, StoreAddress
+from tmd.runtime.liveness import PeerWatch
+from tmd.runtime.state import TrainState
+from tmd.runtime.transfer import Kind, TransferChannel
+
+VOTE_READY = 0
+VOTE_ABORT = 1
+
+
+def world_prefix(migration_id: str) -> str:
+    return f"tmd/mig/{migration_id}/world"
+
+
+def xfer_prefix(migration_id: str) -> str:
+    return f"tmd/mig/{migration_id}/xfer"
+
+
+@dataclass
+class Membership:
+    """Who holds which rank in the current generation."""
+
+    generation: int
+    nodes: list[str]  # index: rank
+
+    def rank_of(self, node: str) -> int:
+        try:
+            return self.nodes.index(node)
+        except ValueError:
+            raise MigrationError(
+                f"{node} is not a member of generation {self.generation}"
+            ) from None
+
+    def members(self) -> list[wire.Member]:
+        return [wire.Member(rank, node) for rank, node in enumerate(self.nodes)]
+
+
+@dataclass
+class Migration:
+    """A member's view of one migration, from ``prepare`` to switch or abort.
+
+    With ``ahead`` (the live protocol) the next group and the transfer channel are
+    built in the background as soon as ``prepare`` arrives; the bulk state follows,
+    also in the background, once a switch is requested (or at once with
+    ``eager_copy``), and from then on the joiner is kept in lock-step. Holding a
+    prepared migration therefore costs the job nothing. Without ``ahead`` (the
+    cold-standby baseline) nothing happens until the switch, which then builds and
+    sends everything while the job waits.
+    """
+
+    prepare: wire.Prepare
+    leaver_rank: int
+    is_leaver: bool
+    my_rank: int
+    world_size: int
+    store: StoreAddress
+    timeout: timedelta
+    backend: str
+    host: str
+    ahead: bool = True
+    eager_copy: bool = False
+    builder: GroupBuilder | None = None
+    watch: PeerWatch | None = None
+    started: float = field(default_factory=time.monotonic)
+    channel: TransferChannel | None = None
+    snapshot_step: int | None = None  # set once the bulk state is on its way
+    snapshot_flushed: bool = False
+    switch: wire.Switch | None = None
+    abort_reason: str | None = None
+    prepared_acked: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.prepare.migration_id
+
+    @classmethod
+    def start(
+        cls,
+        prepare: wire.Prepare,
+        *,
+        me: str,
+        membership: Membership,
+        store: StoreAddress,
+        timeout: timedelta,
+        backend: str,
+        host: str,
+        ahead: bool = True,
+        eager_copy: bool = False,
+        joiner_timeout: timedelta = timedelta(seconds=5),
+    ) -> Migration:
+        mig = cls(
+            prepare=prepare,
+            leaver_rank=membership.rank_of(prepare.leaver),
+            is_leaver=prepare.leaver == me,
+            my_rank=membership.rank_of(me),
+            world_size=len(membership.nodes),
+            store=store,
+            timeout=timeout,
+            backend=backend,
+            host=host,
+            ahead=ahead,
+            eager_copy=eager_copy,
+        )
+        if ahead:
+            mig._start_build()
+            if mig.is_leaver:
+                mig.watch = PeerWatch(store, prepare.joiner, stale_after=joiner_timeout,
+                                      interval=joiner_timeout / 10)  # fmt: skip
+        return mig
+
+    def _start_build(self) -> GroupBuilder:
+        if self.is_leaver:
+            # The leaver's only new link is to the joiner; it is rank 0 of the pair.
+            # Always gloo: a CPU pair needs no second GPU communicator on the leaver.
+            self.builder = GroupBuilder(
+                self.store,
+                xfer_prefix(self.id),
+                rank=0,
+                size=2,
+                timeout=self.timeout,
+                backend="gloo",
+                host=self.host,
+            )
+        else:
+            self.builder = GroupBuilder(self.store, world_prefix(self.id), rank=self.my_rank,
+                                        size=self.world_size, timeout=self.timeout,
+                                        backend=self.backend, host=self.host)  # fmt: skip
+        return self.builder
+
+    # -- progress at boundaries --------------------------------------------------------
+
+    def advance(self, state: TrainState, membership: Membership) -> None:
+        """Move preparation forward without waiting; records failures as an abort."""
+        builder = self.builder
+        if self.abort_reason is not None or builder is None:
+            return
+        if time.monotonic() - self.started > self.prepare.deadline_s and not self.prepared():
+            self.abort_reason = "prepare deadline passed"
+            return
+        if builder.failed():
+            self.abort_reason = f"group build failed: {builder.error}"
+            return
+        if not self.is_leaver or not builder.done():
+            return
+        if self.watch is not None and self.watch.lost():
+            self.abort_reason = f"the joiner {self.prepare.joiner} stopped beating"
+            return
+        try:
+            if self.channel is None:
+                self._open_channel(membership)
+            elif self.snapshot_step is None and (self.eager_copy or self.switch is not None):
+                self._send_snapshot(state)
+        except MigrationError as exc:
+            self.abort_reason = str(exc)
+
+    def finish_preparation(self, state: TrainState, membership: Membership) -> None:
+        """At the switch: whatever was not prepared ahead is done now, blocking."""
+        builder = self.builder or self._start_build()
+        if not builder.wait(self.timeout):
+            raise MigrationError(f"group {builder.prefix} not built in {self.timeout}")
+        if self.is_leaver:
+            if self.channel is None:
+                self._open_channel(membership)
+            if self.snapshot_step is None:
+                self._send_snapshot(state)
+            assert self.channel is not None
+            self.channel.flush()
+            self.snapshot_flushed = True
+
+    def _open_channel(self, membership: Membership) -> None:
+        """Tell the joiner who it will be, so it can build the next group with the
+        stayers; the bulk state follows later (``_send_snapshot``)."""
+        assert self.builder is not None
+        self.channel = TransferChannel(self.builder.result(), is_leaver=True)
+        nodes = list(membership.nodes)
+        nodes[self.leaver_rank] = self.prepare.joiner
+        hello = {"rank": self.leaver_rank, "nodes": nodes,
+                 "generation": membership.generation + 1, "migration_id": self.id}  # fmt: skip
+        self.channel.send(Kind.HELLO, 0, hello)
+
+    def _send_snapshot(self, state: TrainState) -> None:
+        # Sent from the live tensors; flushed before the optimizer next writes them.
+        assert self.channel is not None
+        self.channel.flush()  # the hello
+        self.channel.send(Kind.SNAPSHOT, state.step, state.manifest(), state.bulk_tensors())
+        self.snapshot_step = state.step
+
+    def prepared(self) -> bool:
+        """Phase 1 is done: the next group (stayer) or the channel (leaver) is up."""
+        if self.abort_reason is not None:
+            return False
+        if not self.ahead:
+            return True
+        if self.builder is None or not self.builder.done() or self.builder.failed():
+            return False
+        return not self.is_leaver or self.channel is not None
+
+    def ready(self) -> bool:
+        """Prepared, and (leaver) the joiner holds the bulk state in lock-step."""
+        return self.prepared() and (not self.ahead or not self.is_leaver or self.snapshot_flushed)
+
+    def votes(self, step_after: int) -> torch.Tensor:
+        """This member's ``[ready, abort]`` for the step that ends at ``step_after``."""
+        ready = (
+            self.ready()
+            and self.switch is not None
+            and (self.switch.at_step is None or step_after >= self.switch.at_step)
+        )
+        return torch.tensor([int(ready), int(self.abort_reason is not None)], dtype=torch.int64)
+
+    # -- the leaver's lock-step forwarding ---------------------------------------------
+
+    def before_update(self, state: TrainState, buffers: list[torch.Tensor]) -> None:
+        """Leaver, after the all-reduce and before the optimizer: make sure the
+        snapshot has left (the optimizer is about to write those tensors), then
+        forward this step's averaged gradients and hyper-parameters."""
+        if not self.is_leaver or self.snapshot_step is None or self.abort_reason is not None:
+            return
+        assert self.channel is not None
+        try:
+            self.channel.flush()
+            self.snapshot_flushed = True
+            self.channel.send(Kind.GRADS, state.step + 1, state.hyperparams(), buffers)
+        except MigrationError as exc:
+            self.abort_reason = str(exc)
+
+    def before_reduce(self) -> None:
+        """Leaver: the forwarded buckets are about to be overwritten."""
+        if self.is_leaver and self.channel is not None and self.abort_reason is None:
+            try:
+                self.channel.flush()
+            except MigrationError as exc:
+                self.abort_reason = str(exc)
+
+    # -- endings -----------------------------------------------------------------------
+
+    def send_switch(self, small_state: dict[str, object], step: int) -> None:
+        assert self.channel is not None
+        self.channel.flush()
+        self.channel.send(Kind.SWITCH, step, small_state)
+        self.channel.flush()
+
+    def new_group(self) -> Group:
+        if self.builder is None:
+            raise MigrationError("no group was built")
+        return self.builder.result()
+
+    def close(self, *, tell_joiner: bool) -> None:
+        """Drop everything this migration built; on abort, tell a connected joiner."""
+        channel, self.channel = self.channel, None
+        if channel is not None and tell_joiner:
+            try:
+                channel.flush()
+                channel.send(Kind.ABORT, 0)
+                channel.flush()
+            except MigrationError:
+                pass  # a joiner that is gone needs no telling
+        if self.builder is not None:
+            self.builder.abandon()
+        if self.watch is not None:
+            self.watch.close()

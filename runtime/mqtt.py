@@ -1,0 +1,132 @@
+"""The MQTT control channel and telemetry sink of a training process.
+
+One paho-mqtt client per process, running its network loop in paho's own thread:
+commands on ``tmd/v1/job/{job}/ctl`` are decoded there (once, at the edge) and
+queued for the next step boundary; acks, status and telemetry are handed to paho,
+which sends them from that thread. Nothing here waits for the broker on the
+training thread, and a broker that is down only delays acks and drops telemetry
+(QoS 0); paho reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from datetime import timedelta
+from typing import Any
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+
+from tmd import wire
+from tmd.errors import ConfigError, ProtocolError
+from tmd.runtime.control import STATUS_KEY, _Poller, put, with_standbys
+from tmd.runtime.group import StoreAddress, connect_store
+
+
+def parse_broker(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("TMD_BROKER", f"must be host:port, got {text!r}")
+    return host, int(port)
+
+
+class MqttControl:
+    """A ``ControlChannel`` over MQTT, and the ``Telemetry`` sink (``publish``)."""
+
+    def __init__(
+        self,
+        broker: str,
+        *,
+        job: str,
+        node: str,
+        store: StoreAddress,
+        keepalive: timedelta = timedelta(seconds=30),
+        connect_timeout: timedelta = timedelta(seconds=10),
+    ) -> None:
+        self.job = job
+        self.rejected = 0
+        self.published = 0
+        self._inbox: queue.SimpleQueue[wire.Prepare | wire.Switch | wire.Abort] = (
+            queue.SimpleQueue()
+        )
+        self._stopped = False
+        self._last: paho.MQTTMessageInfo | None = None
+        self._connected = threading.Event()
+        # The standby registry lives in the job's store; reading it is the one slow
+        # part of publishing a status, so it runs on a worker thread.
+        self._store = connect_store(store, timeout=connect_timeout)
+        self._worker = _Poller(f"tmd-mqtt-{job}", timedelta(seconds=1), lambda: None)
+        host, port = parse_broker(broker)
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"tmd-runtime-{job}-{node}")
+        client.on_connect = self._on_connect
+        client.on_message = self._on_message
+        client.reconnect_delay_set(min_delay=1, max_delay=10)
+        client.connect_async(host, port, keepalive=int(keepalive.total_seconds()))
+        client.loop_start()
+        self._client = client
+        # Commands sent before this process subscribed are lost (QoS 1 without a
+        # session), so the first subscription is awaited once, at start.
+        self._connected.wait(connect_timeout.total_seconds())
+
+    def _on_connect(self, client: paho.Client, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
+        if reason.is_failure:
+            return
+        client.subscribe(
+            [(wire.job_topic(self.job, "ctl"), 1), (wire.job_topic(self.job, "status"), 1)]
+        )
+        self._connected.set()
+
+    def _on_message(self, _c: paho.Client, _u: Any, message: paho.MQTTMessage) -> None:
+        try:
+            if message.topic.endswith("/status"):
+                status = wire.decode(bytes(message.payload), wire.JobStatus)
+                self._stopped = status.state == "stopped"
+                return
+            command = wire.decode(bytes(message.payload), wire.Control)
+        except ProtocolError:
+            self.rejected += 1  # counted and dropped; a bad message never kills the loop
+            return
+        if command.job == self.job:
+            self._inbox.put(command)
+
+    # -- ControlChannel ----------------------------------------------------------------
+
+    def poll(self) -> list[wire.Prepare | wire.Switch | wire.Abort]:
+        out = []
+        while not self._inbox.empty():
+            out.append(self._inbox.get_nowait())
+        return out
+
+    def ack(self, ack: wire.Ack) -> None:
+        self._last = self._client.publish(wire.job_topic(self.job, "ack"), wire.encode(ack), qos=1)
+
+    def publish_status(self, status: wire.JobStatus) -> None:
+        def send() -> None:
+            payload = wire.encode(with_standbys(self._store, status))
+            put(self._store, STATUS_KEY, payload)  # launchers read the status from the store
+            topic = wire.job_topic(self.job, "status")
+            self._last = self._client.publish(topic, payload, qos=1, retain=True)
+
+        self._worker.submit(send)
+
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Send what is queued (the last ack or status), then disconnect."""
+        self._worker.close()
+        last = self._last
+        if last is not None and self._connected.is_set():
+            # Not sent in time, or the connection is lost: the daemon times out instead.
+            with contextlib.suppress(RuntimeError, ValueError):
+                last.wait_for_publish(timeout.total_seconds())
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    # -- telemetry sink ----------------------------------------------------------------
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self._client.publish(topic, payload, qos=0)
+        self.published += 1

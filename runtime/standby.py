@@ -1,0 +1,187 @@
+"""The standby: shadow warm-up, waiting, and joining the job as the leaver's rank.
+
+The session runs the standby's first ``shadow_steps`` iterations of the user's own
+loop as sandboxed shadow iterations (``Session._shadow_step``): real data, forward,
+backward and optimizer, the all-reduce answered locally. Then ``stand_by`` reports
+ready with the warm-up time and waits for a ``Prepare`` naming this node.
+
+Joining (the joiner's half of the protocol):
+
+1. connect the transfer channel to the leaver, learn the rank it will take, build
+   the next group with the stayers, answer ``prepared``;
+2. once a switch is requested, receive the bulk snapshot straight into the
+   shadow-warmed tensors (the shadow state is disposable); then lock-step: apply
+   every ``GRADS`` message with the session's own update, so the bulk state stays
+   bit-identical to the leaver's;
+3. on ``SWITCH``: load the small state, commit on the new group, return to the
+   user's loop as a worker. On ``ABORT`` (or any failure) go back to standing by.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from tmd import wire
+from tmd.errors import MigrationError
+from tmd.runtime.control import register_standby
+from tmd.runtime.failover import plan_key, take_over
+from tmd.runtime.group import GroupBuilder
+from tmd.runtime.liveness import Heartbeat
+from tmd.runtime.migration import Membership, world_prefix, xfer_prefix
+from tmd.runtime.transfer import Kind, TransferChannel
+
+if TYPE_CHECKING:
+    from tmd.runtime.session import Session
+
+
+def announce(session: Session, state: Literal["warming", "ready", "joining", "failed"]) -> None:
+    warmup_s = session.warmup_s if state == "ready" else None
+    register_standby(
+        session.store, wire.StandbyInfo(node=session.env.node, state=state, warmup_s=warmup_s)
+    )
+
+
+def stand_by(session: Session) -> None:
+    """Block until this standby has joined the job, or the job stopped."""
+    session.warmup_s = time.monotonic() - session.created
+    announce(session, "ready")
+    # The standby has nothing else to do: poll often, a failover waits on it.
+    poll = min(session.config.control_poll.total_seconds(), 0.01)
+    plan = plan_key(session.env.node)
+    while True:
+        if session.control.stopped():
+            session.stopped = True
+            return
+        if session.store.check([plan]):
+            take_over(session, json.loads(bytes(session.store.get(plan))))
+            return
+        for message in session.control.poll():
+            if not isinstance(message, wire.Prepare) or message.joiner != session.env.node:
+                continue
+            if message.migration_id in session.seen:
+                continue
+            session.seen.add(message.migration_id)
+            try:
+                if join(session, message):
+                    return
+            except (MigrationError, RuntimeError) as exc:
+                session.ack(message.migration_id, "failed", detail=str(exc))
+            announce(session, "ready")
+        time.sleep(poll)
+
+
+def _wait_built(session: Session, builder: GroupBuilder, migration_id: str) -> bool:
+    """Wait for a group build, watching for an abort of this migration."""
+    poll = session.config.control_poll
+    while not builder.wait(poll):
+        for message in session.control.poll():
+            if isinstance(message, wire.Abort) and message.migration_id == migration_id:
+                builder.abandon()
+                return False
+        if session.control.stopped():
+            builder.abandon()
+            return False
+    return True
+
+
+def join(session: Session, prepare: wire.Prepare) -> bool:
+    """Run one migration as its joiner; True once this process is a worker."""
+    beat = session.config.joiner_timeout / 10
+    with Heartbeat(session.env.store, session.env.node, interval=beat):  # the leaver watches
+        return _join(session, prepare)
+
+
+def _join(session: Session, prepare: wire.Prepare) -> bool:
+    mid = prepare.migration_id
+    announce(session, "joining")
+    cfg, env = session.config, session.env
+    pair = GroupBuilder(env.store, xfer_prefix(mid), rank=1, size=2, timeout=cfg.group_timeout,
+                        backend="gloo", host=env.host)  # fmt: skip
+    if not _wait_built(session, pair, mid):
+        session.ack(mid, "aborted")
+        return False
+    channel = TransferChannel(pair.result(), is_leaver=False)
+    header, hello = channel.recv()
+    if header.kind is Kind.ABORT:
+        session.ack(mid, "aborted")
+        return False
+    if header.kind is not Kind.HELLO:
+        raise MigrationError(f"expected hello, got {header.kind.name}")
+    membership = Membership(int(hello["generation"]), list(hello["nodes"]))
+    rank = int(hello["rank"])
+    world = GroupBuilder(env.store, world_prefix(mid), rank=rank, size=len(membership.nodes),
+                         timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip
+    if not _wait_built(session, world, mid):
+        session.ack(mid, "aborted")
+        return False
+    world.result()  # raises if the build failed
+    session.ack(mid, "prepared")
+    # The bulk state comes once a switch is requested; until then this waits idle.
+    header, manifest = channel.recv()
+    if header.kind is Kind.ABORT:
+        world.abandon()
+        session.ack(mid, "aborted")
+        return False
+    if header.kind is not Kind.SNAPSHOT:
+        raise MigrationError(f"expected a snapshot, got {header.kind.name}")
+    state = session.state
+    snapshot_started = time.monotonic()
+    channel.recv_tensors(state.receive_tensors(manifest))
+    snapshot_s = time.monotonic() - snapshot_started
+    state.step = header.step
+    lockstep_steps = 0
+    while True:
+        header, payload = channel.recv()
+        received = time.monotonic()
+        if header.kind is Kind.GRADS:
+            state.load_hyperparams(payload)
+            channel.recv_tensors(session.reducer.buffers)
+            session.reducer.load(session.reducer.buffers)
+            session.apply_update(step_scheduler=False)  # the schedule arrives at the switch
+            state.step = header.step
+            lockstep_steps += 1
+        elif header.kind is Kind.SWITCH:
+            break
+        elif header.kind is Kind.ABORT:
+            world.abandon()
+            session.ack(mid, "aborted")
+            return False
+        else:
+            raise MigrationError(f"unexpected {header.kind.name} in lock-step")
+    # Without lock-step (cold standby) the whole snapshot was part of the switch.
+    cold = lockstep_steps == 0
+    started = snapshot_started if cold else time.monotonic()
+    small_started = received
+    small = payload
+    state.load_small_state(small)
+    session.timing.durations.clear()
+    session.timing.durations.append(float(small.get("median_step_s", 0.0)))
+    transfer_s = time.monotonic() - small_started + (snapshot_s if cold else 0.0)
+    if not world.wait(cfg.group_timeout):
+        raise MigrationError("next group not built at the switch")
+    group = world.result()
+    total = torch.tensor([1], dtype=torch.int64)
+    group.allreduce([total]).wait()
+    if int(total.item()) != len(membership.nodes):
+        raise MigrationError("commit on the new group did not see every member")
+    # From here on this process is the leaver's rank. If the old members fail to
+    # commit, they drop the new group and this rank's next collective fails.
+    session.role = "worker"
+    session.rank = rank
+    session.group = group
+    session.membership = membership
+    session.telemetry.set_rank(rank, membership.generation)
+    resumed = time.monotonic()
+    session._pending_switch = {
+        "migration_id": mid,
+        "last_step_end": started,
+        "resumed": resumed,
+        "transfer_s": transfer_s,
+        "switch_s": max(0.0, resumed - started - transfer_s),
+    }
+    session._mark_step_end(resumed)
+    return True

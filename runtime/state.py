@@ -1,0 +1,173 @@
+"""What a rank's training state is, and how it is taken apart and put back.
+
+A rank's state splits in two. The *bulk* (parameters, buffers, optimizer moments) is
+a fixed list of tensors, the same on every data-parallel replica; it moves once, in
+the background, as raw tensors into the joiner's already allocated ones. The *small*
+state (step, RNG of torch / numpy / python, data position, scheduler, optimizer
+hyper-parameters, anything else the user registered) is a few kilobytes, pickled,
+and is the only thing that moves at the switch.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+StateDict = dict[str, Any]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> StateDict: ...
+    def load_state_dict(self, state_dict: StateDict, /) -> None: ...
+
+
+def rng_state() -> StateDict:
+    state: StateDict = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:  # numpy is optional; a run without it has no numpy stream
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# One entry per optimizer-state key of one parameter: ("t", shape, dtype) for a tensor
+# that travels in the bulk, ("v", value) for anything else.
+Manifest = list[list[tuple[str, tuple[Any, ...]]]]
+
+
+@dataclass
+class TrainState:
+    """The objects a session keeps consistent across ranks; owned by the user."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Stateful | None = None
+    stateful: dict[str, Stateful] = field(default_factory=dict)
+    step: int = 0
+
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter the optimizer updates, in a stable order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # -- bulk --------------------------------------------------------------------------
+
+    def manifest(self) -> Manifest:
+        out: Manifest = []
+        for p in self.params():
+            entries: list[tuple[str, tuple[Any, ...]]] = []
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    entries.append((key, ("t", tuple(value.shape), value.dtype)))
+                else:
+                    entries.append((key, ("v", value)))
+            out.append(entries)
+        return out
+
+    def bulk_tensors(self) -> list[torch.Tensor]:
+        """Model parameters and buffers, then optimizer tensors in manifest order.
+        Views of the live storage: sending them copies nothing."""
+        tensors = [t.detach() for t in self.model.state_dict(keep_vars=True).values()]
+        for p in self.params():
+            for _, value in sorted(self.optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+        return tensors
+
+    def receive_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
+        """The tensors to receive a peer's bulk into, matching its ``manifest``.
+
+        A warmed standby already holds optimizer state of the right shapes (its shadow
+        iterations allocated it), so this allocates only on a cold standby.
+        """
+        params = self.params()
+        if len(manifest) != len(params):
+            raise ValueError(f"peer has {len(manifest)} parameters, this rank {len(params)}")
+        for p, entries in zip(params, manifest, strict=True):
+            state = self.optimizer.state.setdefault(p, {})
+            for key, (kind, *rest) in entries:
+                if kind == "v":
+                    state[key] = rest[0]
+                    continue
+                shape, dtype = rest
+                have = state.get(key)
+                if not (
+                    isinstance(have, torch.Tensor)
+                    and tuple(have.shape) == shape
+                    and have.dtype == dtype
+                ):
+                    state[key] = torch.empty(shape, dtype=dtype, device=p.device)
+        return self.bulk_tensors()
+
+    # -- small -------------------------------------------------------------------------
+
+    def hyperparams(self) -> list[StateDict]:
+        """What the optimizer reads besides gradients (lr, betas, weight decay, ...)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def load_hyperparams(self, groups: list[StateDict]) -> None:
+        for group, values in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(values)
+
+    def small_state(self) -> StateDict:
+        return {
+            "step": self.step,
+            "rng": rng_state(),
+            "hyperparams": self.hyperparams(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
+        }
+
+    def load_small_state(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        set_rng_state(state["rng"])
+        self.load_hyperparams(state["hyperparams"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(state["stateful"][name])
+
+    # -- whole (checkpoints) -----------------------------------------------------------
+
+    def full_state_dict(self) -> StateDict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "small": self.small_state(),
+        }
+
+    def load_full_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_small_state(state["small"])
+
+
+def pack(obj: Any) -> torch.Tensor:
+    """Pickle ``obj`` into a uint8 tensor a backend can send."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def unpack(tensor: torch.Tensor) -> Any:
+    # Only peers of the same job, over the job's own store-authenticated channel,
+    # ever send these bytes.
+    return pickle.loads(tensor.numpy().tobytes())
