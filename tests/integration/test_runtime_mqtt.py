@@ -80,8 +80,17 @@ def test_migration_over_mqtt_with_telemetry(tmp_path: Path, broker: Mosquitto) -
 
     observer = Observer(broker.port)
     out = tmp_path / "migrated"
+    # Slower steps than the reference's (sleeping changes no number): the workers must
+    # not finish all their steps before the standby is warm and the migration done,
+    # however busy the machine is.
     job = run_job(
-        out, nproc=NPROC, standby=1, steps=STEPS, job=JOB, broker=f"127.0.0.1:{broker.port}"
+        out,
+        nproc=NPROC,
+        standby=1,
+        steps=STEPS,
+        job=JOB,
+        broker=f"127.0.0.1:{broker.port}",
+        extra=["--sleep", "0.15"],
     )
     try:
         deadline = time.monotonic() + 60
