@@ -4,6 +4,7 @@ that restarts a failing plug-in with back-off without touching the others."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import textwrap
 from collections.abc import Iterable, Iterator
@@ -42,61 +43,54 @@ def test_builtins_and_their_config() -> None:
     assert err.value.key == "detectors.node_lost.enabled"
 
 
-@pytest.fixture
-def third_party(tmp_path: Path) -> Iterator[None]:
-    """A real installed distribution (dist-info on sys.path) exposing an entry point."""
-    (tmp_path / "acme_detect.py").write_text(
-        textwrap.dedent("""
+@contextlib.contextmanager
+def installed(tmp_path: Path, module: str, source: str, entry_points: str) -> Iterator[None]:
+    """A real installed distribution (dist-info on sys.path) exposing entry points."""
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+    info = tmp_path / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(module, None)
+
+
+def test_entry_point_plugins_are_found(tmp_path: Path) -> None:
+    source = """
         from tmd.detectors import Detector
         class Thermal(Detector):
             name = "thermal"
-    """)
-    )
-    info = tmp_path / "acme_detect-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-detect\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[tmd.detectors]\nthermal = acme_detect:Thermal\n")
-    sys.path.insert(0, str(tmp_path))
-    yield
-    sys.path.remove(str(tmp_path))
-    sys.modules.pop("acme_detect", None)
-
-
-def test_entry_point_plugins_are_found(third_party: None) -> None:
-    known = plugins.available("detectors")
-    assert known["thermal"].__module__ == "acme_detect"
-    assert "thermal" in [s.name for s in plugins.configure("detectors", {}, known)]
+    """
+    with installed(
+        tmp_path, "acme_detect", source, "[tmd.detectors]\nthermal = acme_detect:Thermal\n"
+    ):
+        known = plugins.available("detectors")
+        assert known["thermal"].__module__ == "acme_detect"
+        assert "thermal" in [s.name for s in plugins.configure("detectors", {}, known)]
 
 
 def test_entry_point_name_must_be_the_plugin_name(tmp_path: Path) -> None:
-    (tmp_path / "misnamed_mod.py").write_text(
-        "from tmd.policies import Policy\nclass P(Policy):\n    name = 'other'\n"
-    )
-    info = tmp_path / "misnamed-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: misnamed\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[tmd.policies]\nmine = misnamed_mod:P\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        with pytest.raises(PluginError, match="one name per plug-in"):
-            plugins.available("policies")
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("misnamed_mod", None)
+    source = "from tmd.policies import Policy\nclass P(Policy):\n    name = 'other'\n"
+    entry = "[tmd.policies]\nmine = misnamed_mod:P\n"
+    with (
+        installed(tmp_path, "misnamed_mod", source, entry),
+        pytest.raises(PluginError, match="one name per plug-in"),
+    ):
+        plugins.available("policies")
 
 
 def test_entry_point_that_is_not_a_plugin_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "bogus_mod.py").write_text("thing = 42\n")
-    info = tmp_path / "bogus-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bogus\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[tmd.policies]\nbogus = bogus_mod:thing\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        with pytest.raises(PluginError, match="not a Plugin class"):
-            plugins.available("policies")
-    finally:
-        sys.path.remove(str(tmp_path))
+    with (
+        installed(
+            tmp_path, "bogus_mod", "thing = 42\n", "[tmd.policies]\nbogus = bogus_mod:thing\n"
+        ),
+        pytest.raises(PluginError, match="not a Plugin class"),
+    ):
+        plugins.available("policies")
 
 
 @dataclass(frozen=True, kw_only=True)
