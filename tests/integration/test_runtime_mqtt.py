@@ -90,7 +90,7 @@ def test_migration_over_mqtt_with_telemetry(tmp_path: Path, broker: Mosquitto) -
         steps=STEPS,
         job=JOB,
         broker=f"127.0.0.1:{broker.port}",
-        extra=["--sleep", "0.15"],
+        extra=["--sleep", "0.5"],
     )
     try:
         deadline = time.monotonic() + 60
