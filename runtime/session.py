@@ -322,16 +322,23 @@ class Session:
         mig = self.migration
         if isinstance(message, wire.Prepare):
             if message.migration_id in self.seen:
-                return  # a repeated prepare is answered by the first one's acks
+                # A repeat (a lost ack, a restarted controller): say where it stands.
+                if mig is not None and mig.id == message.migration_id:
+                    if mig.prepared_acked:
+                        self.ack(mig.id, "prepared", detail="already prepared")
+                elif message.migration_id in self.outcomes:
+                    outcome = self.outcomes[message.migration_id]
+                    self.ack(message.migration_id, outcome, detail=f"already {outcome}")
+                return
             self.seen.add(message.migration_id)
             if mig is not None:
-                self.ack(message.migration_id, "failed", detail=f"busy with {mig.id}")
+                self._refuse(message.migration_id, f"busy with {mig.id}")
                 return
             if (
                 message.joiner in self.membership.nodes
                 or message.leaver not in self.membership.nodes
             ):
-                self.ack(message.migration_id, "failed", detail="leaver or joiner not valid")
+                self._refuse(message.migration_id, "leaver or joiner not valid")
                 return
             self.migration = Migration.start(
                 message, me=self.env.node, membership=self.membership, store=self.env.store,
@@ -349,6 +356,10 @@ class Session:
             # A repeated or late command: answer with what already happened.
             outcome = self.outcomes[message.migration_id]
             self.ack(message.migration_id, outcome, detail=f"already {outcome}")
+
+    def _refuse(self, migration_id: str, why: str) -> None:
+        self.outcomes[migration_id] = "failed"
+        self.ack(migration_id, "failed", detail=why)
 
     def _abort(self, mig: Migration) -> None:
         mig.close(tell_joiner=mig.is_leaver)
