@@ -15,6 +15,7 @@ import sqlite3
 from typing import Any
 
 from tmd import events, log, plugins, requests, sdnotify
+from tmd.actuator import Actuator
 from tmd.api import Api
 from tmd.bus import Bus
 from tmd.clock import Clock, SystemClock
@@ -69,6 +70,14 @@ class Daemon:
             clock=self.clock,
             health=self.health,
         )
+        self.actuator = Actuator(
+            config=config.actuator,
+            guard=config.guardrails,
+            view=self.view,
+            journal=self.journal,
+            emit=self.emit,
+            metrics=self.metrics,
+        )
         for route in requests.routes(self.emit, now=self.clock.now):
             self.api.add_route(route.method, route.path, route.handler)
         self.ready = asyncio.Event()
@@ -108,6 +117,15 @@ class Daemon:
                 tg.create_task(self.ingest.run(), name="ingest")
                 for runner in self.runners:
                     tg.create_task(runner.run(), name=f"plugin:{runner.spec.name}")
+                tg.create_task(
+                    self.actuator.run(
+                        bus=self.bus,
+                        clock=self.clock,
+                        publish=self.ingest.publish,
+                        subscribed=self.ingest.subscribed,
+                    ),
+                    name="actuator",
+                )
                 tg.create_task(self._announce_ready(), name="ready")
                 tg.create_task(self._watchdog(), name="watchdog")
                 tg.create_task(self._housekeeping(), name="housekeeping")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tmd.errors import ConfigError
+from tmd.policies.guardrails import GuardrailsConfig
 
 ENV_PREFIX = "TMD_"
 T = typing.TypeVar("T")
@@ -186,6 +187,33 @@ class AgentConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActuatorConfig:
+    """How the daemon drives migrations against the runtime (``tmd.actuator``)."""
+
+    enabled: bool = True  # false: decisions are journaled, nothing is sent to jobs
+    # From Prepare to every member's and the joiner's ``prepared``: the next group is
+    # built in the background while the job trains, so this bounds a slow store/rendezvous.
+    prepare_timeout_s: float = 180.0
+    # From Switch to the stayers' and joiner's ``switched``.
+    switch_timeout_s: float = 120.0
+    abort_timeout_s: float = 60.0
+    # While waiting, the current command is sent again this often (same migration id:
+    # the runtime answers a repeated command with where it stands).
+    resend_s: float = 10.0
+    # After the first subscription, how long retained job statuses may take to arrive
+    # before in-flight migrations from the journal are reconciled against them.
+    settle_s: float = 2.0
+    # Only replace a machine with a standby carrying the same GPU model (when both
+    # agents reported one).
+    same_gpu_type: bool = True
+
+    def validate(self) -> None:
+        for key in ("prepare_timeout_s", "switch_timeout_s", "abort_timeout_s", "resend_s"):
+            _check(getattr(self, key) > 0, f"actuator.{key}", "must be > 0")
+        _check(self.settle_s >= 0, "actuator.settle_s", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -193,6 +221,8 @@ class Config:
     journal: JournalConfig = field(default_factory=JournalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    actuator: ActuatorConfig = field(default_factory=ActuatorConfig)
+    guardrails: GuardrailsConfig = field(default_factory=GuardrailsConfig)
     # Plug-in sections are checked by each plug-in's own Config when it is built.
     detectors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -205,6 +235,8 @@ _SECTIONS: dict[str, type[Any]] = {
     "journal": JournalConfig,
     "log": LogConfig,
     "agent": AgentConfig,
+    "actuator": ActuatorConfig,
+    "guardrails": GuardrailsConfig,
 }
 _PLUGIN_SECTIONS = ("detectors", "policies")
 

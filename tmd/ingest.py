@@ -85,6 +85,7 @@ class Ingest:
         self._client = ClientFactory(mqtt)
         self.subscribed = asyncio.Event()
         self.connected = False
+        self._client_now: aiomqtt.Client | None = None
         # Test and benchmark hook: called with (batch, now) after a batch is applied.
         self.on_iter: Callable[[wire.IterBatch, float], None] | None = None
         # Benchmark baseline: aiomqtt's stock iterator (a task per message) instead.
@@ -175,6 +176,17 @@ class Ingest:
             suppressed_since_last=suppressed,
         )
 
+    # -- the way out: the actuator's commands ------------------------------------------
+
+    async def publish(self, topic: str, payload: bytes, *, qos: int = 1) -> None:
+        """Publish on the ingest connection (one connection per daemon, so one set of
+        broker credentials and ACLs). Returns once the broker acknowledged (QoS 1);
+        raises ``aiomqtt.MqttError`` when not connected or on timeout: callers retry."""
+        client = self._client_now
+        if client is None:
+            raise aiomqtt.MqttError("not connected to the broker")
+        await client.publish(topic, payload, qos=qos, timeout=self._mqtt.connect_timeout_s)
+
     # -- the connection loop -----------------------------------------------------------
 
     async def run(self) -> None:
@@ -196,6 +208,7 @@ class Ingest:
                 )
             finally:
                 self.connected = False
+                self._client_now = None
                 self._metrics.mqtt_connected.set(0)
             await asyncio.sleep(delay * (0.5 + random.random() / 2))
             delay = min(delay * 2, self._mqtt.reconnect_max_s)
@@ -213,6 +226,7 @@ class Ingest:
                 # quiet cluster. Retried with back-off like a lost connection.
                 raise aiomqtt.MqttError(f"broker refused the subscriptions: {refused}")
             self.connected = True
+            self._client_now = client
             self._metrics.mqtt_connects.inc()
             self._metrics.mqtt_connected.set(1)
             self._log.info("subscribed", host=self._mqtt.host, port=self._mqtt.port)

@@ -205,6 +205,11 @@ class Journal:
             f"WHERE state NOT IN ({marks}) ORDER BY created_ts", tuple(sorted(TERMINAL_STATES))
         )
 
+    def recent_migrations(self, since_ts: float) -> list[MigrationRow]:
+        """Migrations created at or after ``since_ts``, oldest first (rate limits and
+        cooldowns survive a restart)."""
+        return self._migrations("WHERE created_ts >= ? ORDER BY created_ts", (since_ts,))
+
     def _migrations(self, where: str, args: tuple[Any, ...]) -> list[MigrationRow]:
         sql = (
             "SELECT id, job, leaver, joiner, state, reason, created_ts, updated_ts, detail"

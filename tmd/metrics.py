@@ -138,6 +138,18 @@ class Metrics:
         self.journal_errors = Counter(
             "tmd_journal_errors_total", "Journal writes that failed", registry=r
         )
+        self.migrations = Counter(
+            "tmd_migrations_total", "Migrations finished, by outcome", ["outcome"], registry=r
+        )
+        self.migrations_in_flight = Gauge(
+            "tmd_migrations_in_flight", "Migrations the actuator is driving", registry=r
+        )
+        self.migration_downtime = Histogram(
+            "tmd_migration_downtime_seconds",
+            "Downtime of finished migrations, as the runtime measured it",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=r,
+        )
         self.jobs = Gauge("tmd_view_jobs", "Jobs in the cluster view", registry=r)
         self.nodes = Gauge("tmd_view_nodes", "Nodes in the cluster view", registry=r)
         self.ranks = Gauge("tmd_view_ranks", "Ranks in the cluster view", registry=r)
