@@ -338,6 +338,8 @@ class Actuator:
             old = before[1].get(rank)
             if old is None or old == node or node in ours_done:
                 continue
+            if self._replaced.get((status.job, old)) == node:
+                continue  # a migration of ours whose acks came before this status
             self._record_runtime_failover(status, rank, old, node, before[0], now)
         return []
 

@@ -178,6 +178,8 @@ def _what(event: events.Event) -> str:
         return "decision"
     if isinstance(event, events.Request):
         return "request"
+    if isinstance(event, events.MigrationFinished):
+        return "migration finished"
     return "finding"
 
 

@@ -112,6 +112,7 @@ def test_prepare_switch_done_with_the_measured_downtime(h: Harness) -> None:
     h.feed(ack(mid, "switched", "w0", 0.2), ack(mid, "switched", "w1", 0.25))
     h.feed(ack(mid, "switched", "w2", 9.0))  # the leaver's own number does not count
     h.feed(ack(mid, "switched", "s0", 0.3))
+    h.status(status(1, ["w0", "w1", "s0"]), T0 + 6)  # again: no second migration
     [done] = h.finished()
     assert (done.outcome, done.node, done.to, done.downtime_s) == ("done", "w2", "s0", 0.3)
     row = h.journal.migration(mid)
@@ -206,6 +207,15 @@ def test_abort_unconfirmed_is_failed_unless_the_status_shows_the_old_group(h: Ha
     [end] = h.finished()
     assert end.outcome == "failed"
     assert h.journal.migration(mid).state == "failed"  # type: ignore[union-attr]
+
+
+def test_acks_before_the_status_are_not_mistaken_for_a_runtime_failover(h: Harness) -> None:
+    mid = start(h)
+    h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    h.feed(*(ack(mid, "switched", n, 0.1) for n in ["w0", "w1", "s0"]))
+    h.status(status(1, ["w0", "w1", "s0"]), T0 + 6)
+    h.actuator.on_tick(T0 + 100)
+    assert [e.migration_id for e in h.finished()] == [mid]
 
 
 def test_switched_by_status_completes_when_the_acks_are_lost(h: Harness) -> None:
