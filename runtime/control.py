@@ -48,6 +48,10 @@ class ControlChannel(Protocol):
     def publish_status(self, status: wire.JobStatus) -> None: ...
     def stopped(self) -> bool: ...
     def close(self) -> None: ...
+    def standbys_changed(self) -> bool:
+        """Has a standby changed state since the last call? Called by rank 0 at each
+        boundary, which then republishes the job status; must not block."""
+        ...
 
 
 # -- the store log ---------------------------------------------------------------------
@@ -194,6 +198,9 @@ class StoreControl:
 
     def stopped(self) -> bool:
         return self._stopped
+
+    def standbys_changed(self) -> bool:
+        return False  # readers of the store's status read the standby registry themselves
 
     def close(self) -> None:
         self._poller.close()

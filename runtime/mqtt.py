@@ -21,7 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from tmd import wire
 from tmd.errors import ConfigError, ProtocolError
-from tmd.runtime.control import STATUS_KEY, _Poller, put, with_standbys
+from tmd.runtime.control import STATUS_KEY, _Poller, put, standbys, with_standbys
 from tmd.runtime.group import StoreAddress, connect_store
 
 
@@ -57,7 +57,14 @@ class MqttControl:
         # The standby registry lives in the job's store; reading it is the one slow
         # part of publishing a status, so it runs on a worker thread.
         self._store = connect_store(store, timeout=connect_timeout)
-        self._worker = _Poller(f"tmd-mqtt-{job}", timedelta(seconds=1), lambda: None)
+        # Rank 0 owns the job's status, whose standby list the daemon picks joiners
+        # from: once it asks (``standbys_changed``), this thread re-reads the registry
+        # every second, so a standby that becomes ready is known within about a second
+        # rather than at the next periodic status.
+        self._watch_standbys = False
+        self._standbys_seen: list[wire.StandbyInfo] | None = None
+        self._standbys_dirty = False
+        self._worker = _Poller(f"tmd-mqtt-{job}", timedelta(seconds=1), self._check_standbys)
         host, port = parse_broker(broker)
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"tmd-runtime-{job}-{node}")
         client.on_connect = self._on_connect
@@ -104,6 +111,7 @@ class MqttControl:
 
     def publish_status(self, status: wire.JobStatus) -> None:
         def send() -> None:
+            self._standbys_seen = standbys(self._store)  # what this status reports
             payload = wire.encode(with_standbys(self._store, status))
             put(self._store, STATUS_KEY, payload)  # launchers read the status from the store
             topic = wire.job_topic(self.job, "status")
@@ -113,6 +121,19 @@ class MqttControl:
 
     def stopped(self) -> bool:
         return self._stopped
+
+    def standbys_changed(self) -> bool:
+        self._watch_standbys = True
+        dirty, self._standbys_dirty = self._standbys_dirty, False
+        return dirty
+
+    def _check_standbys(self) -> None:
+        if not self._watch_standbys:
+            return
+        now = standbys(self._store)
+        if self._standbys_seen is not None and now != self._standbys_seen:
+            self._standbys_dirty = True
+        self._standbys_seen = now
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Send what is queued (the last ack or status), then disconnect."""

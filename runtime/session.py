@@ -307,7 +307,9 @@ class Session:
             if not mig.prepared_acked and mig.prepared():
                 mig.prepared_acked = True
                 self.ack(mig.id, "prepared")
-        if self.rank == 0 and self.state.step % self.config.status_every == 0:
+        if self.rank == 0 and (
+            self.state.step % self.config.status_every == 0 or self.control.standbys_changed()
+        ):
             self.publish_status()
         self._capture_boundary()
 

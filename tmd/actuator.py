@@ -427,6 +427,7 @@ class Actuator:
             phase = "aborting"
         flight = self._restore(row, phase, now)
         flight.abort_reason = str(row.detail.get("why", ""))
+        self.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
         self.log.info("resuming migration", migration_id=row.id, state=row.state, phase=phase)
         return [self._command(flight, now)]
 

@@ -244,6 +244,10 @@ def test_restart_resumes_and_finishes_exactly_once(h: Harness, killed_after: str
     assert [e.outcome for e in h.finished()] == ["done"]
     finished = h.journal.events(kind="MigrationFinished")
     assert [e.body["migration_id"] for e in finished] == [mid]
+    resumed = [e.body for e in h.journal.events(kind="MigrationState") if e.body.get("resumed")]
+    assert [r["state"] for r in resumed] == [
+        "preparing" if killed_after == "preparing" else "switching"
+    ]
     assert h.journal.in_flight() == []
 
 

@@ -1,0 +1,312 @@
+"""End to end: a real mosquitto, the real daemon (``tmd run``, its own process), a real
+three-rank gloo job with one standby, over real MQTT and HTTP.
+
+(a) a slow machine is found and rebalanced at the next tick; (b) a killed rank fails
+over; (c) an Alertmanager webhook triggers a failover; (d) dry-run migrates nothing;
+(e) the daemon SIGKILLed mid-migration and restarted finishes that migration exactly
+once. Every job ends with the parameters of an unmigrated reference run.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.e2e_train import SCRIPT
+from tests.integration.runtime_conftest_helpers import assert_same_as
+from tmd.broker import Mosquitto, free_port
+from tmd.runtime.control import standbys
+from tmd.runtime.launch import LocalJob
+
+pytestmark = pytest.mark.slow
+
+NPROC = 3
+STEPS = 140
+TOKEN = "e2e-token"
+JOB_TIMEOUT = timedelta(seconds=180)
+# --no-noise: a failed-over rank continues with its donor's RNG streams, and every
+# test compares with the same reference.
+ARGS = ["--no-noise", "--sleep", "0.1", "--shadow-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    job = LocalJob([sys.executable, SCRIPT, "--steps", str(STEPS), "--out", str(out),
+                    "--no-noise", "--sleep", "0"], nproc=NPROC, standby=0)  # fmt: skip
+    try:
+        assert set(job.wait(JOB_TIMEOUT).values()) == {0}
+    finally:
+        job.terminate()
+    return out
+
+
+class Daemon:
+    """``tmd run`` in its own process, and its HTTP API."""
+
+    def __init__(self, tmp: Path, broker: Mosquitto, **sections: dict[str, Any]) -> None:
+        self.port = free_port()
+        self.journal = tmp / "journal.sqlite3"
+        tables: dict[str, dict[str, Any]] = {
+            "mqtt": {"host": broker.host, "port": broker.port, "reconnect_min_s": 0.1},
+            "api": {"port": self.port, "token": TOKEN},
+            "journal": {"path": str(self.journal)},
+            "log": {"format": "json"},
+            "actuator": {"settle_s": 0.5, "resend_s": 2.0},
+            "guardrails": {"min_standby_pool": 0},
+            **sections,
+        }
+        self.config = tmp / "tmd.toml"
+        self.config.write_text("\n".join(_toml(name, t) for name, t in tables.items()))
+        self.log = tmp / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tmd.cli", "run", "--config", str(self.config)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        wait_for(lambda: self._healthy(), "the daemon to be ready", 30)
+
+    def _healthy(self) -> bool:
+        try:
+            return bool(self.get("/healthz")["ok"])
+        except OSError:
+            return False
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            return json.load(r)
+
+    def post(self, path: str, body: Any) -> int:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=5) as r:
+            return int(r.status)
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self.get(f"/api/v1/events?kind={kind}&limit=1000")["events"]
+        return rows
+
+    def states(self) -> list[str]:
+        return [e["body"]["state"] for e in self.events("MigrationState")]
+
+
+def _toml(name: str, table: dict[str, Any]) -> str:
+    lines = [f"[{name}]"]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines.append(_toml(f"{name}.{key}", value))
+        else:
+            lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout_s: float, poll: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+class Stack:
+    def __init__(self, tmp: Path, broker: Mosquitto, job: str) -> None:
+        self.tmp, self.broker, self.name = tmp, broker, job
+        self.daemon: Daemon | None = None
+        self.job: LocalJob | None = None
+        self.out = tmp / "out"
+        self.out.mkdir()
+
+    def start_daemon(self, **sections: dict[str, Any]) -> Daemon:
+        self.daemon = Daemon(self.tmp, self.broker, **sections)
+        return self.daemon
+
+    def start_job(self, *extra: str, env: dict[str, str] | None = None) -> LocalJob:
+        cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--out", str(self.out), *ARGS,
+               *extra]  # fmt: skip
+        self.job = LocalJob(
+            cmd, nproc=NPROC, standby=1, job=self.name,
+            broker=f"{self.broker.host}:{self.broker.port}", extra_env=env,
+        )  # fmt: skip
+        return self.job
+
+    def standby_ready(self) -> None:
+        assert self.job is not None
+        wait_for(lambda: any(s.state == "ready" for s in standbys(self.job.store)),  # type: ignore[union-attr]
+                 "the standby to be ready", 60)  # fmt: skip
+        # ... and the daemon to know it from the job's retained status.
+        assert self.daemon is not None
+        wait_for(lambda: _standby_known(self.daemon.get(f"/api/v1/status?job={self.name}")),  # type: ignore[union-attr]
+                 "the daemon to see the standby", 30)  # fmt: skip
+
+    def finish(self, reference: Path) -> dict[str, int]:
+        assert self.job is not None
+        codes = self.job.wait(JOB_TIMEOUT)
+        assert_same_as(self.out, reference, NPROC, losses_from=STEPS)
+        return codes
+
+    def close(self) -> None:
+        if self.job is not None:
+            self.job.terminate()
+        if self.daemon is not None:
+            self.daemon.stop()
+
+
+def _standby_known(status: dict[str, Any]) -> bool:
+    return any(
+        s.get("state") == "ready" for j in status.get("jobs", []) for s in j.get("standbys", [])
+    )
+
+
+@pytest.fixture
+def stack(tmp_path: Path, broker: Mosquitto, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    s = Stack(tmp_path, broker, f"e2e-{request.node.name.split('[')[0][5:]}"[:60])
+    try:
+        yield s
+    finally:
+        s.close()
+        if s.daemon is not None:  # shown by pytest when the test failed
+            print("".join(s.daemon.log.read_text().splitlines(True)[-60:]))
+
+
+def finished(daemon: Daemon) -> list[dict[str, Any]]:
+    return [e["body"] for e in daemon.events("MigrationFinished")]
+
+
+def alert(node: str, job: str, fingerprint: str = "f1") -> dict[str, Any]:
+    return {
+        "version": "4", "receiver": "tmd", "status": "firing",
+        "alerts": [{
+            "status": "firing", "fingerprint": fingerprint,
+            "startsAt": "2026-11-30T05:00:00Z",
+            "labels": {"alertname": "GpuXidFatal", "node": node, "job": job},
+        }],
+    }  # fmt: skip
+
+
+def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Path) -> None:
+    daemon = stack.start_daemon(
+        policies={"rebalance": {"interval_min": 0.05, "persist_s": 0.0, "prior_downtime_s": 1.0}}
+    )
+    stack.start_job(env={"E2E_SLOW_NODE": "worker2", "E2E_SLOW_S": "0.15"})
+    found = wait_for(lambda: daemon.events("StragglerFound"), "the straggler to be found", 90)
+    assert found[0]["node"] == "worker2"
+    [done] = wait_for(lambda: finished(daemon), "the migration to finish", 90)
+    assert (done["node"], done["to"], done["outcome"]) == ("worker2", "standby0", "done")
+    assert done["downtime_s"] is not None
+    migrate = [e["body"] for e in daemon.events("Migrate")]
+    assert migrate[0]["policy"] == "rebalance" and migrate[0]["node"] == "worker2"
+    codes = stack.finish(reference)
+    assert set(codes.values()) == {0}
+    assert daemon.states()[:5] == ["planned", "preparing", "prepared", "switching", "done"]
+
+
+def test_a_killed_rank_fails_over(stack: Stack, reference: Path) -> None:
+    daemon = stack.start_daemon()
+    job = stack.start_job("--kill-rank", "1", "--kill-step", "60")
+    stack.standby_ready()
+    [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
+    assert (done["node"], done["to"], done["outcome"]) == ("worker1", "standby0", "done")
+    codes = stack.finish(reference)
+    assert codes["worker1"] == -signal.SIGKILL
+    assert {c for n, c in codes.items() if n != "worker1"} == {0}
+    status = job.status()
+    assert status is not None and [m.node for m in status.members] == [
+        "worker0",
+        "standby0",
+        "worker2",
+    ]
+
+
+def test_an_alertmanager_webhook_triggers_failover(stack: Stack, reference: Path) -> None:
+    daemon = stack.start_daemon()
+    stack.start_job()
+    stack.standby_ready()
+    assert daemon.post("/api/v1/alerts", alert("worker1:9100", stack.name)) == 202
+    assert daemon.post("/api/v1/alerts", alert("worker1:9100", stack.name)) == 202  # resent
+    [done] = wait_for(lambda: finished(daemon), "the failover to finish", 90)
+    assert (done["node"], done["to"], done["outcome"]) == ("worker1", "standby0", "done")
+    assert done["downtime_s"] is not None
+    codes = stack.finish(reference)
+    assert set(codes.values()) == {0}
+    assert [e["body"]["policy"] for e in daemon.events("Migrate")] == ["alert"]
+    assert len(finished(daemon)) == 1
+
+
+def test_dry_run_migrates_nothing(stack: Stack, reference: Path) -> None:
+    daemon = stack.start_daemon(guardrails={"dry_run": True, "min_standby_pool": 0})
+    job = stack.start_job()
+    stack.standby_ready()
+    assert daemon.post("/api/v1/alerts", alert("worker1", stack.name)) == 202
+    holds = wait_for(lambda: daemon.events("Hold"), "the dry-run hold", 30)
+    assert "dry run" in holds[0]["body"]["reason"]
+    assert "would migrate worker1 to standby0" in holds[0]["body"]["reason"]
+    codes = stack.finish(reference)
+    assert set(codes.values()) == {0}
+    assert daemon.states() == [] and finished(daemon) == []
+    status = job.status()
+    assert status is not None and status.generation == 0
+
+
+def test_daemon_killed_mid_migration_finishes_it_exactly_once(
+    stack: Stack, reference: Path
+) -> None:
+    daemon = stack.start_daemon()
+    stack.start_job()
+    stack.standby_ready()
+    assert daemon.post("/api/v1/alerts", alert("worker2", stack.name)) == 202
+    # Freeze the daemon the moment the journal says "preparing" (a migration needs
+    # every member to reach a step boundary, far longer than this poll), so it is
+    # certainly killed mid-migration; then kill and restart it.
+    journal = sqlite3.connect(f"file:{daemon.journal}?mode=ro", uri=True)
+    query = "SELECT id, state FROM migrations"
+    wait_for(lambda: journal.execute(query).fetchall(), "the migration to start", 30, poll=0.005)
+    daemon.freeze()
+    [(mid, state)] = journal.execute(query).fetchall()
+    journal.close()
+    assert state in ("planned", "preparing")
+    daemon.kill()
+    daemon.start()
+    [done] = wait_for(lambda: finished(daemon), "the migration to finish", 90)
+    assert (done["node"], done["to"], done["outcome"]) == ("worker2", "standby0", "done")
+    codes = stack.finish(reference)
+    assert set(codes.values()) == {0}
+    time.sleep(1.0)
+    states = daemon.states()
+    assert states.count("planned") == 1 and states.count("done") == 1
+    resumed = [e["body"] for e in daemon.events("MigrationState") if e["body"].get("resumed")]
+    assert [(r["migration_id"], r["state"]) for r in resumed] == [(mid, state)]
+    assert len(finished(daemon)) == 1
+    assert [e["body"]["policy"] for e in daemon.events("Migrate")] == ["alert"]
