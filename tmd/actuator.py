@@ -294,7 +294,10 @@ class Actuator:
             self.journal.set_migration_state(flight.id, "prepared", ts=now)
             return [self._enter(flight, "switching", now)]
         if ack.kind == "switched":
-            if flight.phase == "preparing":  # the prepared acks were lost; switched says all
+            # The prepared acks were lost, or the switch beat an abort sent on a
+            # timeout (the runtime answers that abort with "already switched"):
+            # either way the switch is what happened.
+            if flight.phase != "switching":
                 self._set_phase(flight, "switching", now)
             return self._check_switched(flight, now)
         return []
@@ -559,6 +562,8 @@ class Actuator:
                     except sqlite3.Error as exc:
                         # The journal is the record of truth: without it, act on nothing.
                         self.log.error("journal write failed", error=str(exc))
+                    except Exception:  # a bug must not take the daemon down with it
+                        self.log.exception("actuator failed on an event", kind=type(event).__name__)
                 out += self.on_tick(clock.now())
                 await self._send(out, publish)
         finally:

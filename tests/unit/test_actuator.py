@@ -190,6 +190,16 @@ def test_resend_then_timeout_aborts(h: Harness) -> None:
     assert end.outcome == "aborted"
 
 
+def test_a_switch_that_beat_the_abort_is_done(h: Harness) -> None:
+    mid = start(h)
+    h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    [abort] = h.actuator.on_tick(T0 + 21)  # the switch timed out ...
+    assert isinstance(abort, wire.Abort)
+    h.feed(*(ack(mid, "switched", n, 0.4) for n in ["w0", "w1", "s0"]))  # ... but happened
+    [end] = h.finished()
+    assert (end.outcome, end.downtime_s) == ("done", 0.4)
+
+
 def test_a_refusal_aborts_and_refusers_count_as_out(h: Harness) -> None:
     mid = start(h)
     [abort] = h.feed(ack(mid, "failed", "w1"))
