@@ -3,7 +3,8 @@
 Production uses the site's broker; this starts the real ``mosquitto`` binary (the
 Debian package) with a throw-away config, waits until it accepts connections, and
 stops it on exit. ``restart`` keeps the port, so tests can cut the daemon's
-connection and watch it come back.
+connection and watch it come back. ``local_broker`` falls back to the embedded broker
+(``tmd.minibroker``) where mosquitto is not installed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from tmd.errors import TmdError
+
+if TYPE_CHECKING:
+    from tmd.minibroker import EmbeddedBroker
 
 SEARCH_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/opt/homebrew/sbin/mosquitto")
 
@@ -114,3 +119,16 @@ class Mosquitto:
     ) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+def local_broker(
+    *, host: str = "127.0.0.1", port: int = 0, embedded: bool = False
+) -> Mosquitto | EmbeddedBroker:
+    """A private broker, not yet started (``with local_broker() as b:``): mosquitto when
+    it is installed, else (or with ``embedded``) the embedded one, so the demo runs on a
+    bare machine. Both listen on ``b.host``, ``b.port`` and stop on exit."""
+    if not embedded and find_mosquitto() is not None:
+        return Mosquitto(host=host, port=port)
+    from tmd.minibroker import EmbeddedBroker  # it imports this module
+
+    return EmbeddedBroker(host=host, port=port)
