@@ -97,9 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         q.add_argument("--by", default=os.environ.get("USER", ""), help="who asks (journaled)")
 
-    demo = sub.add_parser("demo", help="a live demo on a private broker (see README)")
-    demo.add_argument("--seconds", type=float, default=45.0)
-    demo.add_argument("--ranks", type=int, default=8)
+    demo = sub.add_parser("demo", help="a live migration of a slow machine, on this machine")
+    demo.add_argument("--png", default="tmd-demo.png", help="where to write the timeline")
+    demo.add_argument(
+        "--slow-s", type=float, default=0.5, help="seconds the slow machine adds to each step"
+    )
+    demo.add_argument("--keep", help="keep the job's records and journal in this directory")
+    demo.add_argument(
+        "--embedded-broker",
+        action="store_true",
+        help="use the embedded broker even where mosquitto is installed",
+    )
 
     sub.add_parser("version", help="print the version")
     sub.add_parser("bench", help="benchmarks: `tmd bench ingest|downtime --help`")
@@ -128,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "demo":
             from tmd import demo as demo_mod
 
-            return demo_mod.run(seconds=args.seconds, ranks=args.ranks)
+            return demo_mod.run(
+                png=args.png, slow_s=args.slow_s, keep=args.keep,
+                embedded_broker=args.embedded_broker,
+            )  # fmt: skip
         if args.verb == "version":
             print(tmd.__version__)
             return 0

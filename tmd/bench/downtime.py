@@ -107,6 +107,11 @@ def worker(argv: list[str]) -> int:
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=64)
+    # `tmd demo`: one machine made slow, and a stop step the controller sets later.
+    parser.add_argument("--slow-node", default="", help="TMD_NODE whose compute is slowed")
+    parser.add_argument("--slow-s", type=float, default=0.0, help="seconds added to each step")
+    parser.add_argument("--slow-from", type=int, default=0, help="from this step on")
+    parser.add_argument("--stop-key", default="", help="store key holding the last step")
     args = parser.parse_args(argv)
 
     import torch
@@ -146,6 +151,8 @@ def worker(argv: list[str]) -> int:
                 logits.reshape(-1, 256), batch[:, 1:].reshape(-1)
             )
             loss.backward()  # type: ignore[no-untyped-call]
+            if env.node == args.slow_node and s.role == "worker" and step >= args.slow_from:
+                time.sleep(args.slow_s)  # an injected straggler: a slow GPU, throttled clocks
             if env.role == "worker" and env.rank == args.kill_rank and step == args.at_step:
                 (args.out / "killed.json").write_text(json.dumps({"t_kill": time.time()}))
                 os.kill(os.getpid(), 9)  # mid-step: gradients computed, not yet reduced
@@ -160,6 +167,13 @@ def worker(argv: list[str]) -> int:
                                     t.compute_s, t.allreduce_s, t.optimizer_s])  # fmt: skip
             if s.rank == 0:
                 s.store.set("bench/step", str(s.state.step))
+            # Every rank reads the key each step, long before the step it names.
+            if (
+                args.stop_key
+                and s.store.check([args.stop_key])
+                and (s.state.step >= int(s.store.get(args.stop_key)))
+            ):
+                break
             if args.mode == "save" and s.state.step == args.at_step:
                 t0 = time.time()
                 save_checkpoint(s, args.out.parent / "checkpoint")
