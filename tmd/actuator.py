@@ -120,6 +120,7 @@ class Actuator:
         # Failover acks of the runtime that arrived before the status that explains them.
         self._early: dict[tuple[str, str], wire.Ack] = {}
         self._replaced: dict[tuple[str, str], str] = {}  # (job, node) -> who replaced it
+        self._unhealthy: dict[str, float] = {}  # node -> when a GpuFault or NodeLost came
 
     # -- inputs ------------------------------------------------------------------------
 
@@ -131,6 +132,9 @@ class Actuator:
             return self._on_ack(event, now)
         if isinstance(event, wire.JobStatus):
             return self._on_status(event, now)
+        if isinstance(event, (events.GpuFault, events.NodeLost)):
+            # Not a standby to move work onto, until it proves itself again.
+            self._unhealthy[event.node] = now
         return []
 
     def on_tick(self, now: float) -> list[wire.Message]:
@@ -239,11 +243,24 @@ class Actuator:
                 continue
             if node is not None and node.state == "offline":
                 continue
+            if not self._healthy(name, node):
+                continue
             have = self._gpu_model(name)
             if want and have and want != have:
                 continue
             out.append((info.warmup_s if info.warmup_s is not None else float("inf"), name))
         return [name for _, name in sorted(out)]
+
+    def _healthy(self, name: str, node: Any) -> bool:
+        since = self._unhealthy.get(name)
+        if since is None:
+            return True
+        # A lost node is back once its agent reported after the loss; a GPU fault
+        # keeps the node out until its agent restarts (a repaired node's agent does).
+        if node is not None and node.state == "online" and node.status_ts > since:
+            del self._unhealthy[name]
+            return True
+        return False
 
     def _gpu_model(self, node: str) -> str:
         seen = self.view.nodes.get(node)
@@ -548,7 +565,10 @@ class Actuator:
 
         A command that cannot be published (broker down) is not queued: the next
         resend carries it, so a long outage does not build a backlog of stale ones."""
-        sub = bus.subscribe("actuator", (events.Migrate, wire.Ack, wire.JobStatus))
+        sub = bus.subscribe(
+            "actuator",
+            (events.Migrate, events.GpuFault, events.NodeLost, wire.Ack, wire.JobStatus),
+        )
         try:
             await subscribed.wait()
             await asyncio.sleep(self.config.settle_s)
