@@ -138,6 +138,11 @@ class Api:
                     j["ranks"].extend(rows)
                     await asyncio.sleep(0)  # let ingest run between chunks
         snapshot["health"] = self._health()
+        snapshot["migrations"] = [
+            row.__dict__
+            for row in self._journal.latest_migrations(10)
+            if job is None or row.job == job
+        ]
         return _json(snapshot)
 
     async def _get_events(self, request: web.Request) -> web.Response:

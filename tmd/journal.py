@@ -205,6 +205,10 @@ class Journal:
             f"WHERE state NOT IN ({marks}) ORDER BY created_ts", tuple(sorted(TERMINAL_STATES))
         )
 
+    def latest_migrations(self, limit: int = 10) -> list[MigrationRow]:
+        """The newest migrations, newest first (``tmd status``)."""
+        return self._migrations("ORDER BY created_ts DESC LIMIT ?", (max(1, limit),))
+
     def recent_migrations(self, since_ts: float) -> list[MigrationRow]:
         """Migrations created at or after ``since_ts``, oldest first (rate limits and
         cooldowns survive a restart)."""

@@ -68,6 +68,26 @@ def render_status(data: dict[str, Any], *, all_ranks: bool = False) -> str:
             ],
         )
     )
+    migrations = data.get("migrations", [])
+    if migrations:
+        out.append("\nMIGRATIONS (newest first)")
+        out.append(
+            table(
+                ["ID", "JOB", "LEAVER", "JOINER", "STATE", "DOWNTIME S", "REASON"],
+                [
+                    [
+                        m["id"],
+                        m["job"],
+                        m["leaver"],
+                        m["joiner"],
+                        m["state"],
+                        m["detail"].get("downtime_s", "-"),
+                        m["reason"][:60],
+                    ]
+                    for m in migrations
+                ],
+            )
+        )
     for j in jobs:
         ranks = j.get("ranks", [])
         if not ranks:

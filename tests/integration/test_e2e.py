@@ -263,6 +263,13 @@ def test_an_alertmanager_webhook_triggers_failover(stack: Stack, reference: Path
     assert set(codes.values()) == {0}
     assert [e["body"]["policy"] for e in daemon.events("Migrate")] == ["alert"]
     assert len(finished(daemon)) == 1
+    [row] = daemon.get(f"/api/v1/status?job={stack.name}&ranks=0")["migrations"]
+    assert (row["leaver"], row["joiner"], row["state"]) == ("worker1", "standby0", "done")
+    shown = subprocess.run(
+        [sys.executable, "-m", "tmd.cli", "status", "--api", f"http://127.0.0.1:{daemon.port}"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "MIGRATIONS" in shown and "worker1" in shown and "done" in shown
 
 
 def test_dry_run_migrates_nothing(stack: Stack, reference: Path) -> None:
