@@ -37,5 +37,25 @@ class MigrationError(TmdError):
     """A migration step failed or timed out."""
 
 
+class RestartRequired(TmdError):
+    """In-place recovery could not serve: the job must restart from its latest checkpoint.
+
+    Raised out of a training step on every survivor of a failure that no standby
+    could repair. ``checkpoint_step`` is the step of the latest complete checkpoint
+    (``None``: there is none, the restarted job begins at step 0). A process that
+    lets it escape should exit with ``tmd.runtime.EX_RESTART`` (75, EX_TEMPFAIL),
+    which ``tmd.runtime.run`` does, so a launcher knows to start the job again.
+    """
+
+    def __init__(self, reason: str, *, checkpoint_step: int | None = None) -> None:
+        if checkpoint_step is None:
+            then = "no checkpoint, the job restarts from step 0"
+        else:
+            then = f"rollback to checkpoint step {checkpoint_step}"
+        super().__init__(f"{reason}; {then}")
+        self.reason = reason
+        self.checkpoint_step = checkpoint_step
+
+
 class PluginError(TmdError):
     """A detector or policy could not be loaded or configured."""
