@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import statistics
 import time
 from collections import deque
@@ -35,6 +36,8 @@ from typing import Any, Literal
 import torch
 
 from tmd import wire
+from tmd.errors import ConfigError
+from tmd.runtime import checkpoint
 from tmd.runtime.control import ControlChannel, StoreControl
 from tmd.runtime.env import RuntimeEnv
 from tmd.runtime.group import Group, connect_store, make_group
@@ -75,6 +78,19 @@ class SessionConfig:
     which rank died."""
     status_every: int = 100
     """Steps between two status publications by rank 0 (plus one at every change)."""
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    """Where periodic checkpoints go, one directory every rank sees. A worker whose
+    directory holds a complete checkpoint resumes from the latest one at start."""
+    checkpoint_every: int = 0
+    """Steps between two checkpoints (0: never). Each one stalls the job while rank
+    0 writes the bulk state, which must take less than ``group_timeout`` (the other
+    ranks wait for it in the next all-reduce); see ``tmd.runtime.checkpoint``."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every", "must be >= 0")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError("checkpoint_every", "needs a checkpoint_dir")
 
 
 @dataclass
@@ -119,6 +135,9 @@ class Session:
         self.warmup_s: float | None = None
         self.last_downtime: wire.Downtime | None = None
         self.last_timing: wire.StepTiming | None = None
+        self.restored_step: int | None = None
+        self.checkpoints_dropped = 0
+        self.last_checkpoint_s: float | None = None
         self._pending_switch: dict[str, Any] | None = None
         self.boundary_stateful: dict[str, Any] = {}
         self._retired: list[Group] = []
@@ -149,12 +168,17 @@ class Session:
             sink, job=self.env.job, node=self.env.node, rank=self.rank,
             flush_interval=self.config.telemetry_flush, max_queue=self.config.telemetry_queue,
         )  # fmt: skip
-        if self.role == "worker":
-            self._join_initial_group()
-        else:
-            from tmd.runtime.standby import announce
+        try:
+            if self.role == "worker":
+                self._join_initial_group()
+            else:
+                from tmd.runtime.standby import announce
 
-            announce(self, "warming")
+                announce(self, "warming")
+        except BaseException:
+            self.telemetry.close()  # no __exit__ follows a failed __enter__
+            self.control.close()
+            raise
         return self
 
     def _join_initial_group(self) -> None:
@@ -167,6 +191,9 @@ class Session:
             bytes(self.store.get(f"tmd/gen0/node/{r}")).decode() for r in range(self.world_size)
         ]
         self.membership = Membership(0, nodes)
+        if self.config.checkpoint_dir is not None:
+            self.restored_step = checkpoint.restore(self)
+        self._capture_boundary()
         self.publish_status()
 
     def __exit__(self, *exc: object) -> None:
@@ -291,6 +318,14 @@ class Session:
     # -- the boundary ------------------------------------------------------------------
 
     def _boundary(self, votes: torch.Tensor) -> None:
+        every = self.config.checkpoint_every
+        if every and self.state.step % every == 0:
+            # Before a switch: the members that wrote the state are the ones in it.
+            started = time.monotonic()
+            checkpoint.save(self)
+            self.last_checkpoint_s = time.monotonic() - started
+            # Step timings describe training; the write shows as the others' wait.
+            self._mark_step_end(time.monotonic())
         mig = self.migration
         if mig is not None:
             if int(votes[VOTE_ABORT]) > 0:
