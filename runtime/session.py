@@ -17,7 +17,10 @@ resumes holding the leaver's state, rank and data position, and the loop carries
 on as that rank) or the job stops. A leaver's ``steps`` ends after the switch.
 
 If a collective fails because a member died, ``step`` replaces it with a ready
-standby in place (``tmd.runtime.failover``) and completes the same step.
+standby in place (``tmd.runtime.failover``) and completes the same step. Where no
+standby can serve, ``step`` raises ``tmd.errors.RestartRequired`` on every survivor;
+the job then restarts from its latest checkpoint (``checkpoint_dir``,
+``tmd.runtime.checkpoint``), which every worker loads when the session opens.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tmd.errors import ConfigError
 from tmd.runtime import checkpoint
 from tmd.runtime.control import ControlChannel, StoreControl
 from tmd.runtime.env import RuntimeEnv
+from tmd.runtime.failover import Recovery, failure_reported, recover
 from tmd.runtime.group import Group, connect_store, make_group
 from tmd.runtime.migration import VOTE_ABORT, VOTE_READY, Membership, Migration
 from tmd.runtime.reducer import GradientReducer
@@ -78,6 +82,9 @@ class SessionConfig:
     which rank died."""
     status_every: int = 100
     """Steps between two status publications by rank 0 (plus one at every change)."""
+    standby_wait: timedelta = timedelta(seconds=5)
+    """After a rank died, how long the donor waits for a standby to become ready (one
+    still warming up) before giving up on in-place failover."""
     checkpoint_dir: str | os.PathLike[str] | None = None
     """Where periodic checkpoints go, one directory every rank sees. A worker whose
     directory holds a complete checkpoint resumes from the latest one at start."""
@@ -91,6 +98,8 @@ class SessionConfig:
             raise ConfigError("checkpoint_every", "must be >= 0")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("checkpoint_every", "needs a checkpoint_dir")
+        if self.standby_wait < timedelta(0):
+            raise ConfigError("standby_wait", "must not be negative")
 
 
 @dataclass
@@ -139,6 +148,7 @@ class Session:
         self.checkpoints_dropped = 0
         self.last_checkpoint_s: float | None = None
         self._pending_switch: dict[str, Any] | None = None
+        self._failovers: list[Recovery] = []  # in the current step
         self.boundary_stateful: dict[str, Any] = {}
         self._retired: list[Group] = []
         self._control = control
@@ -245,21 +255,24 @@ class Session:
             votes = mig.votes(self.state.step + 1)
         else:
             votes = torch.zeros(2, dtype=torch.int64)
-        try:
-            self.reducer.finish(
-                self.reducer.start(self.group, extra=[votes]),
-                self.world_size,
-                interrupted=self._member_failed,
-            )
-        except RuntimeError as exc:
-            # A member died. Recover in place, then reduce this same step again on
-            # the new group from the local gradients, which are still intact.
-            from tmd.runtime.failover import recover
-
-            recover(self, exc)
-            votes = torch.zeros(2, dtype=torch.int64)
-            mig = None
-            self.reducer.finish(self.reducer.start(self.group, extra=[votes]), self.world_size)
+        attempt = compute_end
+        while True:
+            try:
+                self.reducer.finish(
+                    self.reducer.start(self.group, extra=[votes]),
+                    self.world_size,
+                    interrupted=self._member_failed,
+                )
+                break
+            except RuntimeError as exc:
+                # A member died. Recover in place, then reduce this same step again
+                # on the new group from the local gradients, which are still intact
+                # (and again, should a member of the new group die too). Where that
+                # cannot be done, recover raises RestartRequired.
+                self._failovers.append(recover(self, exc, collective_started=attempt))
+                attempt = time.monotonic()
+                votes = torch.zeros(2, dtype=torch.int64)
+                mig = None
         reduced = time.monotonic()
         if mig is not None:
             mig.before_update(self.state, self.reducer.buffers)
@@ -269,8 +282,6 @@ class Session:
         self._boundary(votes)
 
     def _member_failed(self) -> bool:
-        from tmd.runtime.failover import failure_reported
-
         return failure_reported(self.store, self.membership.generation)
 
     def apply_update(self, *, step_scheduler: bool = True) -> None:
@@ -302,7 +313,7 @@ class Session:
     def _record(self, compute_end: float, reduced: float, end: float) -> None:
         start = self.timing.step_ends[-1] if self.timing.step_ends else self.created
         step_s = end - start
-        if self._pending_switch is None:
+        if self._pending_switch is None and not self._failovers:
             self.timing.durations.append(step_s)
         data_s = self.timing.data_s
         self.last_timing = wire.StepTiming(
@@ -314,6 +325,8 @@ class Session:
         self._mark_step_end(end)
         if self._pending_switch is not None:
             self._finish_switch(end)
+        if self._failovers:
+            self._finish_failovers(start, end)
 
     # -- the boundary ------------------------------------------------------------------
 
@@ -419,6 +432,24 @@ class Session:
             first_step_s=max(0.0, first_step_s - median),
         )
         self.ack(pending["migration_id"], "switched", downtime=self.last_downtime)
+
+    def _finish_failovers(self, step_start: float, step_end: float) -> None:
+        # The failed step against a median one: what the failure cost the job, from
+        # the start of the step whose collective failed to the end of its re-run.
+        failovers, self._failovers = self._failovers, []
+        median = self.timing.median_step_s()
+        for rec in failovers:
+            self.last_downtime = wire.Downtime(
+                total_s=max(0.0, step_end - step_start - median),
+                stop_s=rec.detect_s,
+                transfer_s=rec.transfer_s,
+                switch_s=rec.build_s,
+                first_step_s=max(0.0, step_end - rec.resumed),
+            )
+            if rec.is_donor:
+                self.outcomes[rec.id] = "switched"
+                self.ack(rec.id, "switched", downtime=self.last_downtime,
+                         detail=f"rank {rec.dead} replaced by {rec.joiner}")  # fmt: skip
 
     # -- outbound ----------------------------------------------------------------------
 

@@ -158,6 +158,7 @@ def _join(session: Session, prepare: wire.Prepare) -> bool:
     small_started = received
     small = payload
     state.load_small_state(small)
+    session._capture_boundary()  # what to hand on should the first step fail
     session.timing.durations.clear()
     session.timing.durations.append(float(small.get("median_step_s", 0.0)))
     transfer_s = time.monotonic() - small_started + (snapshot_s if cold else 0.0)

@@ -138,6 +138,8 @@ def test_checkpoint_config_is_checked() -> None:
         SessionConfig(checkpoint_every=5)
     with pytest.raises(ConfigError, match="checkpoint_every"):
         SessionConfig(checkpoint_dir="/tmp/x", checkpoint_every=-1)
+    with pytest.raises(ConfigError, match="standby_wait"):
+        SessionConfig(standby_wait=timedelta(seconds=-1))
 
 
 def test_run_turns_restart_required_into_the_restart_exit_status() -> None:
