@@ -2,23 +2,26 @@
 
 ``tmd launch`` sets these variables; on a cluster, set them from torchrun or srun.
 
-=================  ===========================================================
-``TMD_ROLE``       ``worker`` (default) or ``standby``
-``TMD_JOB``        job name, one MQTT topic segment (default ``job``)
-``TMD_NODE``       this process's node name; must be unique in the job
-                   (default ``{hostname}-r{RANK}``, standbys must set it)
-``RANK``           data-parallel rank of a worker (ignored for a standby)
-``WORLD_SIZE``     number of workers; never changes across migrations
-``MASTER_ADDR``    host of the job's TCPStore server
-``MASTER_PORT``    its port
-``TMD_STORE``      ``host:port`` of the store, overrides MASTER_ADDR/PORT; point it
-                   at a store that outlives every worker (the launcher hosts one)
-``TMD_HOST``       address peers reach this process on (gloo device); default
-                   ``127.0.0.1`` when the store is on loopback, else the hostname
-``TMD_BROKER``     ``host:port`` of the MQTT broker; unset: control through the
-                   store only (``JobController``) and telemetry is not sent
-``TMD_BACKEND``    ``gloo`` (default) or ``nccl``
-=================  ===========================================================
+=====================  =========================================================
+``TMD_ROLE``           ``worker`` (default) or ``standby``
+``TMD_JOB``            job name, one MQTT topic segment (default ``job``)
+``TMD_NODE``           this process's node name; must be unique in the job
+                       (default ``{hostname}-r{RANK}``, standbys must set it)
+``RANK``               data-parallel rank of a worker (ignored for a standby)
+``WORLD_SIZE``         number of workers; never changes across migrations
+``MASTER_ADDR``        host of the job's TCPStore server
+``MASTER_PORT``        its port
+``TMD_STORE``          ``host:port`` of the store, overrides MASTER_ADDR/PORT; point it
+                       at a store that outlives every worker (the launcher hosts one)
+``TMD_HOST``           address peers reach this process on (gloo device); default
+                       ``127.0.0.1`` when the store is on loopback, else the hostname
+``TMD_BROKER``         ``host:port`` of the MQTT broker; unset: control through the
+                       store only (``JobController``) and telemetry is not sent
+``TMD_BACKEND``        ``gloo`` (default) or ``nccl``
+``TMD_RESTART_COUNT``  how many times the launcher restarted the job before this
+                       start (``tmd launch --max-restarts``); read from
+                       ``TORCHELASTIC_RESTART_COUNT`` when unset; default 0
+=====================  =========================================================
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class RuntimeEnv:
     host: str
     backend: str
     broker: str | None = None
+    restart_count: int = 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -74,6 +78,9 @@ class RuntimeEnv:
             if role == "standby":
                 raise ConfigError("TMD_NODE", "a standby must be given its node name")
             node = f"{socket.gethostname()}-r{rank}"
+        restarts = env.get("TMD_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if not restarts.isdigit():
+            raise ConfigError("TMD_RESTART_COUNT", f"must be a count, got {restarts!r}")
         loopback = store.host in ("127.0.0.1", "localhost", "::1")
         host = env.get("TMD_HOST", "127.0.0.1" if loopback else "")
         return cls(
@@ -86,4 +93,5 @@ class RuntimeEnv:
             host=host,
             backend=env.get("TMD_BACKEND", "gloo"),
             broker=env.get("TMD_BROKER") or None,
+            restart_count=int(restarts),
         )

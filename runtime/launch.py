@@ -5,25 +5,36 @@ Like torchrun for one machine, plus standbys: the launcher hosts the job's TCPSt
 the environment described in ``tmd.runtime.env``, and waits. A process that exits
 0 after leaving the job is a success; the launcher does not tear the job down when
 one rank dies, because the runtime replaces it with a standby.
+
+Where the runtime cannot (``RestartRequired``: no standby ready, more than one rank
+lost), the survivors exit with ``EX_RESTART``. With ``--max-restarts N`` the
+launcher then stops every process of the job and starts the whole plan again,
+workers and standbys under their original names and ranks, on a fresh store, so
+the workers roll back to the latest checkpoint in their ``checkpoint_dir`` and
+carry on. It does the same when the job has not stopped and every member has
+exited, one of them with an error (a job whose every rank was killed). Each start
+sees ``TMD_RESTART_COUNT``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import msgspec
 from torch._C._distributed_c10d import TCPStore
 
 from tmd import wire
-from tmd.runtime.control import STATUS_KEY
+from tmd.runtime.checkpoint import EX_RESTART
+from tmd.runtime.control import ACK_LOG, STATUS_KEY, read_from
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ def process_env(
     store_port: int,
     job: str,
     broker: str | None,
+    restart_count: int = 0,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
@@ -53,6 +65,7 @@ def process_env(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store_port),
         TMD_STORE=f"127.0.0.1:{store_port}",
+        TMD_RESTART_COUNT=str(restart_count),
     )
     if broker:
         env["TMD_BROKER"] = broker
@@ -73,6 +86,29 @@ def host_store(port: int = 0) -> TCPStore:
     )
 
 
+def needs_restart(
+    codes: Mapping[str, int | None], members: Collection[str], *, stopped: bool
+) -> bool:
+    """Must the job start again? ``codes``: exit status by node, None while running;
+    ``members``: the nodes holding a rank now."""
+    if stopped:
+        return False
+    if any(code == EX_RESTART for code in codes.values()):
+        return True
+    ended = [codes.get(node) for node in members]
+    return all(code is not None for code in ended) and any(code != 0 for code in ended)
+
+
+@dataclass
+class Attempt:
+    """One start of the job, kept once it ended: how each process exited, and the
+    acks and status it left in its store."""
+
+    codes: dict[str, int]
+    acks: list[wire.Ack] = field(default_factory=list)
+    status: wire.JobStatus | None = None
+
+
 class LocalJob:
     """The processes of one local job; also the harness the integration tests use."""
 
@@ -86,34 +122,97 @@ class LocalJob:
         broker: str | None = None,
         store_port: int = 0,
         extra_env: Mapping[str, str] | None = None,
+        max_restarts: int = 0,
+        restart_grace: timedelta = timedelta(seconds=10),
     ) -> None:
-        self.store = host_store(store_port)
+        self.command = list(command)
+        self.nproc = nproc
+        self.job = job
+        self.broker = broker
+        self.extra_env = dict(extra_env or {})
+        self.max_restarts = max_restarts
+        self.restart_grace = restart_grace
         self.specs = plan(nproc, standby)
+        self.restarts = 0
+        self.attempts: list[Attempt] = []
+        """Earlier starts of the job, oldest first."""
+        self._port = store_port
+        self.store = host_store(store_port)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._start()
+
+    def _start(self) -> None:
+        self.procs = {}
         for spec in self.specs:
             env = process_env(
-                spec, world_size=nproc, store_port=self.store.port, job=job, broker=broker
-            )
-            env.update(extra_env or {})
-            self.procs[spec.node] = subprocess.Popen(list(command), env=env)
+                spec, world_size=self.nproc, store_port=self.store.port, job=self.job,
+                broker=self.broker, restart_count=self.restarts,
+            )  # fmt: skip
+            env.update(self.extra_env)
+            self.procs[spec.node] = subprocess.Popen(self.command, env=env)
 
     def wait(
         self, timeout: timedelta | None = None, *, grace: timedelta = timedelta(seconds=15)
     ) -> dict[str, int]:
-        """Wait for every process. Standbys end by themselves once the job stops;
-        whatever still runs ``grace`` after the job reported stopped is killed."""
+        """Wait for every process, restarting the job up to ``max_restarts`` times;
+        returns how the processes of the last start exited. Standbys end by
+        themselves once the job stops; whatever still runs ``grace`` after the job
+        reported stopped is killed."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while (restart := self._watch(deadline, grace)) and self.restarts < self.max_restarts:
+            self._end_attempt(self.restart_grace)
+            self.restarts += 1
+            # A fresh store: no key of the failed start (groups, failover plans, the
+            # checkpoint to restore) can mislead the next one.
+            if self._port == 0:
+                self.store = host_store()
+            else:
+                del self.store
+                self.store = host_store(self._port)
+            self._start()
+        self._end_attempt(self.restart_grace if restart else timedelta(0))
+        return self.attempts[-1].codes
+
+    def _watch(self, deadline: float | None, grace: timedelta) -> bool:
+        """Until every process ended (False) or the job needs a restart (True)."""
         stopped_at: float | None = None
-        while any(proc.poll() is None for proc in self.procs.values()):
+        while True:
+            codes = {node: proc.poll() for node, proc in self.procs.items()}
             now = time.monotonic()
-            if stopped_at is None and self.job_stopped():
+            stopped = self.job_stopped()  # read after polling: a clean end is seen
+            if stopped_at is None and stopped:
                 stopped_at = now
+            if needs_restart(codes, self.members(), stopped=stopped):
+                return True
+            if all(code is not None for code in codes.values()):
+                return False
             late = stopped_at is not None and now - stopped_at > grace.total_seconds()
             if late or (deadline is not None and now > deadline):
-                self.terminate()
-                break
+                return False
             time.sleep(0.05)
-        return {node: proc.wait() for node, proc in self.procs.items()}
+
+    def _end_attempt(self, grace: timedelta) -> None:
+        """Stop what still runs of this start and record it. Members get ``grace`` to
+        exit by themselves first, so their last acks reach the store."""
+        members = set(self.members())
+        until = time.monotonic() + grace.total_seconds()
+        for node, proc in self.procs.items():
+            if node not in members and proc.poll() is None:
+                proc.kill()  # an idle standby: nothing to lose
+        for node in members:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[node].wait(max(0.0, until - time.monotonic()))
+        self.terminate()
+        codes = {node: proc.wait() for node, proc in self.procs.items()}
+        acks = [wire.decode(data, wire.Ack) for data in read_from(self.store, ACK_LOG, 1)]
+        self.attempts.append(Attempt(codes, acks, self.status()))
+
+    def members(self) -> list[str]:
+        """The nodes holding a rank, as the job last reported them."""
+        status = self.status()
+        if status is None:
+            return [spec.node for spec in self.specs if spec.role == "worker"]
+        return [member.node for member in status.members]
 
     def status(self) -> wire.JobStatus | None:
         if not self.store.check([STATUS_KEY]):
@@ -144,20 +243,29 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--job", default="job", help="job name (MQTT topic segment)")
     parser.add_argument("--broker", default=None, help="MQTT broker host:port")
     parser.add_argument("--port", type=int, default=0, help="store port (0: any free one)")
+    parser.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="start the job again, from its latest checkpoint, up to N times when it "
+        f"cannot go on (a process exited {EX_RESTART}, or every member ended)",
+    )  # fmt: skip
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
-    if ns.nproc < 1 or ns.standby < 0:
-        parser.error("--nproc must be >= 1 and --standby >= 0")
+    if ns.nproc < 1 or ns.standby < 0 or ns.max_restarts < 0:
+        parser.error("--nproc must be >= 1, --standby and --max-restarts >= 0")
     job = LocalJob(
         [sys.executable, ns.script, *ns.args],
         nproc=ns.nproc, standby=ns.standby, job=ns.job, broker=ns.broker, store_port=ns.port,
+        max_restarts=ns.max_restarts,
     )  # fmt: skip
     try:
         codes = job.wait()
     except KeyboardInterrupt:
         job.terminate()
         return 130
+    for n, attempt in enumerate(job.attempts[:-1]):
+        ended = ", ".join(f"{node} {code}" for node, code in attempt.codes.items() if code)
+        print(f"tmd launch: restart {n + 1} after {ended}", file=sys.stderr)
     failed = {node: code for node, code in codes.items() if code != 0}
     for node, code in failed.items():
         print(f"tmd launch: {node} exited with {code}", file=sys.stderr)
