@@ -5,7 +5,8 @@ learning-rate schedule, and inputs perturbed by numpy and python RNG, so every
 kind of migrated state (parameters, optimizer, scheduler, three RNG streams, data
 position) changes the result if it is lost. Each process writes what it computed
 to ``--out``: the final parameters of the rank it ends as, and its losses by
-(rank, step).
+(rank, step). Faults (``--kill-rank``) are injected in the job's first start only,
+so a restarted job runs clean.
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ def train(argv: list[str]) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shadow-steps", type=int, default=2)
     parser.add_argument("--fault", default="", help="inject a failure (tests)")
-    parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL this rank ...")
+    parser.add_argument(
+        "--kill-rank", type=int, action="append", default=[], help="SIGKILL these ranks ..."
+    )
     parser.add_argument("--kill-step", type=int, default=-1, help="... inside this step")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--detect-timeout", type=float, default=10.0, help="seconds")
+    parser.add_argument("--standby-wait", type=float, default=5.0, help="seconds")
     parser.add_argument(
         "--no-noise", action="store_true", help="no per-rank randomness (failover tests)"
     )
@@ -82,8 +89,14 @@ def train(argv: list[str]) -> None:
         shadow_steps=args.shadow_steps,
         group_timeout=timedelta(seconds=20),
         joiner_timeout=timedelta(seconds=1),
+        detect_timeout=timedelta(seconds=args.detect_timeout),
+        standby_wait=timedelta(seconds=args.standby_wait),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
     out = Path(args.out)
+    doomed = env.role == "worker" and env.rank in args.kill_rank and env.restart_count == 0
+    joiner_dies = args.fault == "standby0-dies-after-joining" and env.node == "standby0"
     with session(
         model, optimizer, scheduler=scheduler, stateful={"sampler": sampler}, config=config, env=env
     ) as s:
@@ -95,8 +108,10 @@ def train(argv: list[str]) -> None:
                 yb = y[idx]
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()  # type: ignore[no-untyped-call]
-            if env.role == "worker" and env.rank == args.kill_rank and step == args.kill_step:
+            if doomed and step == args.kill_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-step: before the all-reduce
+            if joiner_dies and s.role == "worker":
+                os.kill(os.getpid(), signal.SIGKILL)  # inside its first step as a worker
             if not s.is_shadow:
                 losses.append((s.rank, step, float(loss.item())))
             s.step()
@@ -123,12 +138,15 @@ def run_job(
     extra: list[str] | None = None,
     job: str = "job",
     broker: str | None = None,
+    max_restarts: int = 0,
 ) -> Any:
     from tmd.runtime.launch import LocalJob
 
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--out", str(out), *(extra or [])]
-    return LocalJob(cmd, nproc=nproc, standby=standby, job=job, broker=broker)
+    return LocalJob(
+        cmd, nproc=nproc, standby=standby, job=job, broker=broker, max_restarts=max_restarts
+    )
 
 
 def final_params(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -161,4 +179,6 @@ def assert_same_as(out: Path, reference: Path, nproc: int, *, losses_from: int =
 
 
 if __name__ == "__main__":
-    train(sys.argv[1:])
+    from tmd.runtime import run
+
+    run(train, sys.argv[1:])

@@ -23,6 +23,20 @@ def test_launch_runs_the_job_and_idle_standbys_exit_when_it_stops(tmp_path: Path
     assert (tmp_path / "losses-standby0.json").read_text() == "[]"  # shadow losses not kept
 
 
+def test_launch_restarts_a_job_that_lost_a_rank_without_a_standby(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["--nproc", "2", "--max-restarts", "1", SCRIPT, "--steps", "8", "--sleep", "0",
+               "--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"),
+               "--checkpoint-every", "2", "--standby-wait", "0",
+               "--kill-rank", "1", "--kill-step", "5"])  # fmt: skip
+
+    assert rc == 0
+    assert "restart 1 after worker0 75, worker1 -9" in capsys.readouterr().err
+    assert {step for _, step in losses(tmp_path)} == set(range(4, 8))  # resumed at 4
+    assert torch_equal_all(final_params(tmp_path, 0), final_params(tmp_path, 1))
+
+
 def torch_equal_all(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -172,8 +172,13 @@ def test_killed_rank_is_replaced_from_a_replica_without_rollback(
 
     assert codes == {"worker0": 0, "worker1": -signal.SIGKILL, "worker2": 0, "worker3": 0,
                      "standby0": 0}  # fmt: skip
-    status = JobController(job.store, job="job").status()
+    ctl = JobController(job.store, job="job")
+    status = ctl.status()
     assert status is not None and status.generation == 1
     assert [m.node for m in status.members] == ["worker0", "standby0", "worker2", "worker3"]
+    # The donor tells the controller what happened, so the daemon can journal it.
+    acks = [a for a in ctl.acks() if a.migration_id == "failover-g0"]
+    assert [(a.node, a.kind, a.generation) for a in acks] == [("worker0", "switched", 1)]
+    assert acks[0].downtime is not None and acks[0].at_step == 21
     # Step 20 was finished by the standby, and nothing was rolled back.
     assert_same_as(out, reference, world, losses_from=20)
