@@ -115,8 +115,9 @@ class Actuator:
         self.log = log.get("actuator")
         self.flights: dict[str, Flight] = {}
         self.reconciled = False
-        # The membership the actuator last saw per job: (generation, rank -> node).
-        self._seen: dict[str, tuple[int, dict[int, str]]] = {}
+        # The membership the actuator last saw per job: (generation, rank -> node, ts).
+        self._seen: dict[str, tuple[int, dict[int, str], float]] = {}
+        self._rollbacks: set[tuple[str, str]] = set()  # (job, failover id) journaled
         # Failover acks of the runtime that arrived before the status that explains them.
         self._early: dict[tuple[str, str], wire.Ack] = {}
         self._replaced: dict[tuple[str, str], str] = {}  # (job, node) -> who replaced it
@@ -279,7 +280,9 @@ class Actuator:
                 return self._on_runtime_ack(runtime[0], ack, now)
             if ack.migration_id.startswith("failover-"):
                 self._early[(ack.job, ack.migration_id)] = ack
-                if ack.kind == "failed":
+                key = (ack.job, ack.migration_id)
+                if ack.kind == "failed" and key not in self._rollbacks:  # one per survivor
+                    self._rollbacks.add(key)
                     self.emit(
                         events.CheckpointRestart(
                             ts=now, policy="runtime", job=ack.job, node=ack.node,
@@ -337,8 +340,11 @@ class Actuator:
         members = {m.rank: m.node for m in status.members}
         before = self._seen.get(status.job)
         if before is not None and status.generation < before[0]:
-            return []  # an older status delivered late
-        self._seen[status.job] = (status.generation, members)
+            if status.ts <= before[2]:
+                return []  # an older status delivered late
+            self._job_restarted(status, now)  # e.g. rolled back to its checkpoint
+            before = None
+        self._seen[status.job] = (status.generation, members, status.ts)
         nodes = set(members.values())
         ours = [f for f in self.flights.values() if f.job == status.job and f.phase != "runtime"]
         for flight in ours:
@@ -363,12 +369,24 @@ class Actuator:
             self._record_runtime_failover(status, rank, old, node, before[0], now)
         return []
 
+    def _job_restarted(self, status: wire.JobStatus, now: float) -> None:
+        """A new run of the job (a checkpoint restart starts over at generation 0): what
+        was in flight in the old one is over, and its ids will be used again."""
+        for flight in [f for f in self.flights.values() if f.job == status.job]:
+            outcome: Outcome = "done" if flight.phase == "runtime" else "aborted"
+            self._finish(flight, outcome, now, detail="the job restarted")
+        self._early = {k: v for k, v in self._early.items() if k[0] != status.job}
+        self._rollbacks = {k for k in self._rollbacks if k[0] != status.job}
+
     def _record_runtime_failover(
         self, status: wire.JobStatus, rank: int, leaver: str, joiner: str, old_gen: int, now: float
     ) -> None:
         runtime_id = f"failover-g{old_gen}"
         flight = Flight(
-            id=f"{status.job}.{runtime_id}.r{rank}"[:128],
+            # The status's time tells apart runs of a job that restarted (the runtime's
+            # generations, and so its failover ids, start over) and is the same when a
+            # retained status is delivered again.
+            id=f"{status.job}.{runtime_id}.r{rank}.t{int(status.ts)}"[-128:],
             job=status.job, leaver=leaver, joiner=joiner, policy="runtime",
             reason=f"the runtime replaced lost rank {rank} ({leaver}) with {joiner}",
             phase="runtime", generation=old_gen, members=frozenset(), runtime_id=runtime_id,

@@ -24,11 +24,12 @@ def status(
     members: list[str] | None = None,
     standbys: dict[str, str] | None = None,
     state: str = "running",
+    ts: float = T0,
 ) -> wire.JobStatus:
     nodes = WORKERS if members is None else members
     ready = {"s0": "ready"} if standbys is None else standbys
     return wire.JobStatus(
-        ts=T0, job=JOB, generation=generation, world_size=len(nodes),
+        ts=ts, job=JOB, generation=generation, world_size=len(nodes),
         members=[wire.Member(r, n) for r, n in enumerate(nodes)],
         standbys=[wire.StandbyInfo(node=n, state=s, warmup_s=1.0) for n, s in ready.items()],  # type: ignore[arg-type]
         state=state,  # type: ignore[arg-type]
@@ -319,9 +320,34 @@ def test_a_runtime_failover_whose_ack_came_first_or_never(h: Harness) -> None:
 
 def test_a_runtime_that_cannot_fail_over_is_recorded_as_checkpoint_restart(h: Harness) -> None:
     h.status(status())
-    h.feed(ack("failover-g0", "failed", "w0"))
+    h.feed(ack("failover-g0", "failed", "w0"), ack("failover-g0", "failed", "w2"))  # survivors
     [decision] = [e for e in h.emitted if isinstance(e, events.CheckpointRestart)]
     assert decision.policy == "runtime"
+
+
+def test_a_restarted_job_starts_over_at_generation_0(h: Harness) -> None:
+    h.status(status())
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}), T0 + 3)
+    h.feed(ack("failover-g0", "switched", "w0", 1.0))
+    h.feed(ack("failover-g1", "failed", "w0"))  # a second loss, no standby: rollback
+    mid = start_on(h, status(0, standbys={"s0": "ready"}, ts=T0 + 60))  # the new run
+    assert len([e for e in h.emitted if isinstance(e, events.CheckpointRestart)]) == 1
+    h.status(status(1, ["w0", "w1", "s0"], ts=T0 + 70), T0 + 70)  # our migration switched
+    h.feed(*(ack(mid, "switched", n, 0.2) for n in ["w0", "w1", "s0"]))
+    h.status(status(2, ["w0", "s1", "s0"], standbys={}, ts=T0 + 80), T0 + 80)
+    h.feed(ack("failover-g1", "switched", "w0", 0.7))  # the new run's failover-g1
+    ends = [(e.node, e.to, e.outcome, e.downtime_s) for e in h.finished()]
+    assert ends == [("w1", "s0", "done", 1.0), ("w2", "s0", "done", 0.2), ("w1", "s1", "done", 0.7)]
+    assert h.status(status(0, ts=T0 + 5), T0 + 81) == []  # a late old status changes nothing
+    assert len(h.finished()) == 3
+
+
+def start_on(h: Harness, s: wire.JobStatus) -> str:
+    h.status(s, s.ts)
+    [prepare] = h.actuator.on_event(migrate(), s.ts)
+    assert isinstance(prepare, wire.Prepare)
+    h.feed(*(ack(prepare.migration_id, "prepared", n) for n in WORKERS))
+    return prepare.migration_id
 
 
 def test_membership_change_under_a_migration_ends_it(h: Harness) -> None:
