@@ -32,7 +32,7 @@ from tmd.runtime.launch import LocalJob
 pytestmark = pytest.mark.slow
 
 NPROC = 3
-STEPS = 140
+STEPS = 110
 TOKEN = "e2e-token"
 JOB_TIMEOUT = timedelta(seconds=180)
 # --no-noise: a failed-over rank continues with its donor's RNG streams, and every
