@@ -3,7 +3,8 @@
 Triggers: ``GpuFault``, ``NodeLost`` and ``RankStalled`` (configurable). With no ready
 standby the job can only be restarted from its last checkpoint: that is decided
 (``CheckpointRestart``) and journaled as such, not silently dropped. One decision per
-(job, node) until the actuator reports that node's migration finished.
+(job, node) until the actuator reports that node's migration finished, or that it
+did not run it (a ``Hold`` naming this policy): then the next finding decides again.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ class FailoverConfig:
 class FailoverPolicy(Policy):
     name = "failover"
     Config = FailoverConfig
-    consumes = (events.GpuFault, events.NodeLost, events.RankStalled, events.MigrationFinished)
+    consumes = (
+        events.GpuFault,
+        events.NodeLost,
+        events.RankStalled,
+        events.MigrationFinished,
+        events.Hold,
+    )
     config: FailoverConfig
 
     def __init__(self, config: FailoverConfig, *, context: Context) -> None:
@@ -51,7 +58,11 @@ class FailoverPolicy(Policy):
         self._handled: set[tuple[str, str]] = set()
 
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:
-        if isinstance(event, events.MigrationFinished):
+        if isinstance(event, events.MigrationFinished) or (
+            isinstance(event, events.Hold) and event.held == self.name
+        ):
+            # Finished, or not run (guardrails, no standby yet): the next finding about
+            # this machine decides again.
             self._handled.discard((event.job, event.node))
             return ()
         if not isinstance(event, self._triggers):

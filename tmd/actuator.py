@@ -178,6 +178,7 @@ class Actuator:
                 events.Hold(
                     ts=now, policy=SOURCE, job=decision.job, node=decision.node,
                     reason=f"{decision.policy}'s migration of {decision.node} not run: {why}",
+                    held=decision.policy,
                 ),
                 SOURCE,
             )  # fmt: skip

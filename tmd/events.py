@@ -79,6 +79,7 @@ class Hold(Decision, kw_only=True, frozen=True):
 
     job: str = ""
     node: str = ""
+    held: str = ""  # the policy whose Migrate the actuator did not run (guardrails etc.)
 
 
 class CheckpointRestart(Decision, kw_only=True, frozen=True):

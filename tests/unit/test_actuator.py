@@ -155,6 +155,8 @@ def test_holds(
     assert h.actuator.on_event(decision, T0) == []
     [why] = h.holds()
     assert expect in why
+    [hold] = [e for e in h.emitted if isinstance(e, events.Hold)]
+    assert (hold.policy, hold.held) == ("actuator", decision.policy)
 
 
 def test_one_migration_per_node_and_guardrails_apply(h: Harness) -> None:

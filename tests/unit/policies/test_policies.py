@@ -64,6 +64,9 @@ def test_failover_migrates_every_job_on_the_node_once() -> None:
     )
     list(p.observe(done, T0))
     assert decided(p.observe(fault, T0)) == [("Migrate", "a", "n2")]  # handled again for a
+    held = events.Hold(ts=T0, policy="actuator", job="b", node="n2", reason="x", held="failover")
+    list(p.observe(held, T0))
+    assert decided(p.observe(fault, T0)) == [("Migrate", "b", "n2")]  # not run: decide again
 
 
 @pytest.mark.parametrize(
