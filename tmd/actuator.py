@@ -448,6 +448,9 @@ class Actuator:
         return out
 
     def _resume(self, row: MigrationRow, now: float) -> list[wire.Message]:
+        if row.detail.get("runtime_id"):  # a failover the runtime did, awaiting its ack
+            self._restore(row, "runtime", now)
+            return []
         job = self.view.jobs.get(row.job)
         nodes = set(job.members.values()) if job is not None else set()
         if row.joiner in nodes and row.leaver not in nodes:
@@ -455,9 +458,6 @@ class Actuator:
             self._finish(
                 self.flights[row.id], "done", now, detail="switched while the daemon was down"
             )
-            return []
-        if row.reason.startswith("the runtime replaced"):
-            self._restore(row, "runtime", now)
             return []
         phase: Phase = "preparing"
         if row.state in ("prepared", "switching"):
@@ -482,16 +482,16 @@ class Actuator:
             members=members, deadline=now + self._timeout(phase),
             runtime_id=str(row.detail.get("runtime_id", "")),
         )  # fmt: skip
-        self._start(flight, now)
+        self._start(flight, row.created_ts)  # cooldowns and rate limits count from then
         return flight
 
     # -- bookkeeping -------------------------------------------------------------------
 
-    def _start(self, flight: Flight, now: float) -> None:
+    def _start(self, flight: Flight, started: float) -> None:
         self.guard_state.record_start(
-            events.Migrate(ts=now, policy=flight.policy, reason="", job=flight.job,
+            events.Migrate(ts=started, policy=flight.policy, reason="", job=flight.job,
                            node=flight.leaver),
-            now,
+            started,
         )  # fmt: skip
         self._track(flight)
 

@@ -286,7 +286,7 @@ def test_restart_after_the_switch_finishes_from_the_status(h: Harness) -> None:
     [end] = h.finished()
     assert (end.migration_id, end.outcome) == (mid, "done")
     assert h.actuator.guard_state.in_flight == {}
-    assert h.actuator.guard_state.last_on_node["w2"] == T0 + 12
+    assert h.actuator.guard_state.last_on_node["w2"] == T0  # when it started, not resumed
 
 
 def test_guardrails_remember_recent_migrations_across_a_restart(tmp_path: Path) -> None:
@@ -318,6 +318,17 @@ def test_a_runtime_failover_whose_ack_came_first_or_never(h: Harness) -> None:
     assert h.finished()[0].downtime_s == 0.9
     h.actuator.on_tick(T0 + 4 + RUNTIME_ACK_GRACE_S)
     assert [(e.node, e.downtime_s) for e in h.finished()] == [("w1", 0.9), ("w2", None)]
+
+
+def test_a_runtime_failover_pending_its_ack_survives_a_restart(h: Harness) -> None:
+    h.status(status())
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}), T0 + 3)
+    h.restart()
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}), T0 + 5)  # retained, on subscribe
+    assert h.actuator.reconcile(T0 + 6) == []
+    h.feed(ack("failover-g0", "switched", "w0", 1.2))
+    [end] = h.finished()
+    assert (end.node, end.to, end.outcome, end.downtime_s) == ("w1", "s0", "done", 1.2)
 
 
 def test_a_runtime_that_cannot_fail_over_is_recorded_as_checkpoint_restart(h: Harness) -> None:
