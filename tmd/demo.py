@@ -162,10 +162,9 @@ async def _watch(daemon: Daemon, sub: Any, job: Any, p: _Progress, seen: dict[st
     start = time.monotonic()
     phases: dict[str, str] = {}
     last_line = 0.0
-    holds = 0
     while True:
         for event in await sub.batch(0.5):
-            holds += _show(event, p, seen)
+            _show(event, p, seen)
         for flight in list(daemon.actuator.flights.values()):
             if phases.get(flight.id) != flight.phase:
                 phases[flight.id] = flight.phase
@@ -183,11 +182,9 @@ async def _watch(daemon: Daemon, sub: Any, job: Any, p: _Progress, seen: dict[st
         if "finished" not in seen and time.monotonic() - start > DEADLINE_S:
             p.say("no migration in time; stopping the job")
             return
-        if holds and "hold_said" not in seen:
-            seen["hold_said"] = True
 
 
-def _show(event: Any, p: _Progress, seen: dict[str, Any]) -> int:
+def _show(event: Any, p: _Progress, seen: dict[str, Any]) -> None:
     if isinstance(event, events.StragglerFound) and "found" not in seen:
         seen["found"] = event
         p.say(
@@ -202,14 +199,12 @@ def _show(event: Any, p: _Progress, seen: dict[str, Any]) -> int:
         if seen.get("last_hold") != why:  # each tick holds again; say it once
             seen["last_hold"] = why
             p.say(f"hold ({event.policy}): {event.reason}")
-        return 1
     elif isinstance(event, events.MigrationFinished):
         seen["finished"] = event
         downtime = f"{event.downtime_s:.3f} s" if event.downtime_s is not None else "unknown"
         p.say(
             f"MigrationFinished: {event.node} -> {event.to}, {event.outcome}, downtime {downtime}"
         )
-    return 0
 
 
 def _job_step(daemon: Daemon) -> int:
