@@ -63,7 +63,10 @@ class MqttControl:
         # rather than at the next periodic status.
         self._watch_standbys = False
         self._standbys_seen: list[wire.StandbyInfo] | None = None
-        self._standbys_dirty = False
+        # Changes counted by the channel's thread, read by the training thread: a
+        # counter has one writer, so no change is lost between a read and a reset.
+        self._standby_changes = 0
+        self._standby_changes_read = 0
         self._worker = _Poller(f"tmd-mqtt-{job}", timedelta(seconds=1), self._check_standbys)
         host, port = parse_broker(broker)
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"tmd-runtime-{job}-{node}")
@@ -124,15 +127,18 @@ class MqttControl:
 
     def standbys_changed(self) -> bool:
         self._watch_standbys = True
-        dirty, self._standbys_dirty = self._standbys_dirty, False
-        return dirty
+        changes = self._standby_changes
+        if changes == self._standby_changes_read:
+            return False
+        self._standby_changes_read = changes
+        return True
 
     def _check_standbys(self) -> None:
         if not self._watch_standbys:
             return
         now = standbys(self._store)
         if self._standbys_seen is not None and now != self._standbys_seen:
-            self._standbys_dirty = True
+            self._standby_changes += 1
         self._standbys_seen = now
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:

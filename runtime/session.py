@@ -141,6 +141,7 @@ class Session:
         self.timing = _Timing()
         self.seen: set[str] = set()
         self.outcomes: dict[str, AckKind] = {}
+        self.downtimes: dict[str, wire.Downtime] = {}  # by migration id, as acked
         self.warmup_s: float | None = None
         self.last_downtime: wire.Downtime | None = None
         self.last_timing: wire.StepTiming | None = None
@@ -377,8 +378,7 @@ class Session:
                     if mig.prepared_acked:
                         self.ack(mig.id, "prepared", detail="already prepared")
                 elif message.migration_id in self.outcomes:
-                    outcome = self.outcomes[message.migration_id]
-                    self.ack(message.migration_id, outcome, detail=f"already {outcome}")
+                    self._answer_repeat(message.migration_id)
                 return
             self.seen.add(message.migration_id)
             if mig is not None:
@@ -403,9 +403,15 @@ class Session:
             else:
                 mig.abort_reason = message.reason or "aborted by controller"
         elif message.migration_id in self.outcomes:
-            # A repeated or late command: answer with what already happened.
-            outcome = self.outcomes[message.migration_id]
-            self.ack(message.migration_id, outcome, detail=f"already {outcome}")
+            self._answer_repeat(message.migration_id)
+
+    def _answer_repeat(self, migration_id: str) -> None:
+        """A repeated or late command: answer with what already happened, with the
+        downtime this member measured if it switched (a controller that lost the
+        first answer still learns it)."""
+        outcome = self.outcomes[migration_id]
+        self.ack(migration_id, outcome, detail=f"already {outcome}",
+                 downtime=self.downtimes.get(migration_id))  # fmt: skip
 
     def _refuse(self, migration_id: str, why: str) -> None:
         self.outcomes[migration_id] = "failed"
@@ -431,6 +437,7 @@ class Session:
             switch_s=max(0.0, pending.get("switch_s", 0.0)),
             first_step_s=max(0.0, first_step_s - median),
         )
+        self.downtimes[pending["migration_id"]] = self.last_downtime
         self.ack(pending["migration_id"], "switched", downtime=self.last_downtime)
 
     def _finish_failovers(self, step_start: float, step_end: float) -> None:
@@ -448,6 +455,7 @@ class Session:
             )
             if rec.is_donor:
                 self.outcomes[rec.id] = "switched"
+                self.downtimes[rec.id] = self.last_downtime
                 self.ack(rec.id, "switched", downtime=self.last_downtime,
                          detail=f"rank {rec.dead} replaced by {rec.joiner}")  # fmt: skip
 

@@ -43,6 +43,7 @@ import asyncio
 import secrets
 import sqlite3
 import statistics
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -65,6 +66,7 @@ Emit = Callable[[events.Event, str], None]
 
 SOURCE = "actuator"
 TICK_S = 0.5
+MAX_EARLY_ACKS = 1024
 RUNTIME_ACK_GRACE_S = 10.0
 """How long a failover the runtime did by itself waits for its donor's ``switched``
 ack (which carries the downtime) before it is journaled without one."""
@@ -115,8 +117,10 @@ class Actuator:
         self.log = log.get("actuator")
         self.flights: dict[str, Flight] = {}
         self.reconciled = False
-        # The membership the actuator last saw per job: (generation, rank -> node, ts).
-        self._seen: dict[str, tuple[int, dict[int, str], float]] = {}
+        # The membership the actuator last saw per job, kept in the journal so that a
+        # restarted daemon sees what changed while it was down:
+        # job -> (generation, step, status ts, rank -> node).
+        self._seen: dict[str, tuple[int, int, float, dict[int, str]]] = journal.memberships()
         self._rollbacks: set[tuple[str, str]] = set()  # (job, failover id) journaled
         # Failover acks of the runtime that arrived before the status that explains them.
         self._early: dict[tuple[str, str], wire.Ack] = {}
@@ -165,6 +169,7 @@ class Actuator:
             if row.id in self.flights:
                 continue
             out += self._resume(row, now)
+        self.guard_state.started = deque(sorted(self.guard_state.started))
         return out
 
     # -- decisions ---------------------------------------------------------------------
@@ -281,6 +286,8 @@ class Actuator:
                 return self._on_runtime_ack(runtime[0], ack, now)
             if ack.migration_id.startswith("failover-"):
                 self._early[(ack.job, ack.migration_id)] = ack
+                while len(self._early) > MAX_EARLY_ACKS:  # acks nobody will claim
+                    del self._early[next(iter(self._early))]
                 key = (ack.job, ack.migration_id)
                 if ack.kind == "failed" and key not in self._rollbacks:  # one per survivor
                     self._rollbacks.add(key)
@@ -294,7 +301,7 @@ class Actuator:
             return []  # an answer to someone else's, or a finished, migration
         if ack.job != flight.job:
             return []
-        flight.acks.setdefault((ack.kind, ack.node), ack)
+        _keep(flight, ack)
         if ack.kind == "failed" and flight.phase in ("preparing", "switching"):
             return self._abort(flight, f"{ack.node} failed: {ack.detail}", now)
         if ack.kind == "aborted":
@@ -340,12 +347,20 @@ class Actuator:
     def _on_status(self, status: wire.JobStatus, now: float) -> list[wire.Message]:
         members = {m.rank: m.node for m in status.members}
         before = self._seen.get(status.job)
-        if before is not None and status.generation < before[0]:
+        if before is not None and (status.generation, status.step) < before[:2]:
             if status.ts <= before[2]:
                 return []  # an older status delivered late
-            self._job_restarted(status, now)  # e.g. rolled back to its checkpoint
+            # A new run of the job: restarted from its checkpoint, its generation
+            # starts over at 0 and its step goes back to the checkpoint's.
+            self._job_restarted(status, now)
             before = None
-        self._seen[status.job] = (status.generation, members, status.ts)
+        seen = (status.generation, status.step, status.ts, members)
+        self._seen[status.job] = seen
+        if before is None or seen[0] != before[0] or seen[3] != before[3]:
+            self.journal.save_membership(
+                status.job, generation=status.generation, step=status.step, ts=status.ts,
+                members=members,
+            )  # fmt: skip
         nodes = set(members.values())
         ours = [f for f in self.flights.values() if f.job == status.job and f.phase != "runtime"]
         for flight in ours:
@@ -362,7 +377,7 @@ class Actuator:
             return []
         ours_done = {f.joiner for f in ours if f.switched_by_status}
         for rank, node in sorted(members.items()):
-            old = before[1].get(rank)
+            old = before[3].get(rank)
             if old is None or old == node or node in ours_done:
                 continue
             if self._replaced.get((status.job, old)) == node:
@@ -382,6 +397,11 @@ class Actuator:
     def _record_runtime_failover(
         self, status: wire.JobStatus, rank: int, leaver: str, joiner: str, old_gen: int, now: float
     ) -> None:
+        if any(
+            (r.job, r.leaver, r.joiner) == (status.job, leaver, joiner)
+            for r in self.journal.in_flight()
+        ):
+            return  # a migration of ours that switched while the daemon was down
         runtime_id = f"failover-g{old_gen}"
         flight = Flight(
             # The status's time tells apart runs of a job that restarted (the runtime's
@@ -411,7 +431,7 @@ class Actuator:
             self._on_runtime_ack(flight, early, now)
 
     def _on_runtime_ack(self, flight: Flight, ack: wire.Ack, now: float) -> list[wire.Message]:
-        flight.acks.setdefault((ack.kind, ack.node), ack)
+        _keep(flight, ack)
         if ack.kind == "switched":
             self._finish(flight, "done", now, detail="replaced by the runtime's failover")
         return []
@@ -466,15 +486,20 @@ class Actuator:
             phase = "aborting"
         flight = self._restore(row, phase, now)
         flight.abort_reason = str(row.detail.get("why", ""))
-        self.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
         self.log.info("resuming migration", migration_id=row.id, state=row.state, phase=phase)
+        if row.state == "planned":  # stopped before its prepare was journaled (or sent)
+            return [self._enter(flight, "preparing", now, detail={"resumed": True})]
+        self.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
         return [self._command(flight, now)]
 
     def _restore(self, row: MigrationRow, phase: Phase, now: float) -> Flight:
         job = self.view.jobs.get(row.job)
-        members = frozenset(job.members.values()) if job is not None else frozenset()
-        if row.joiner in members:  # it switched: the members before it had the leaver
-            members = (members - {row.joiner}) | {row.leaver}
+        if "members" in row.detail:  # as journaled when it started
+            members = frozenset(str(m) for m in row.detail["members"])
+        else:
+            members = frozenset(job.members.values()) if job is not None else frozenset()
+            if row.joiner in members:  # it switched: the members before it had the leaver
+                members = (members - {row.joiner}) | {row.leaver}
         flight = Flight(
             id=row.id, job=row.job, leaver=row.leaver, joiner=row.joiner,
             policy=row.reason.partition(":")[0], reason=row.reason, phase=phase,
@@ -518,7 +543,9 @@ class Actuator:
     ) -> wire.Message:
         """Journal the new phase first, then return its command to send."""
         self._set_phase(flight, phase, now)
-        extra = {"generation": flight.generation} if phase == "preparing" else {}
+        extra: dict[str, Any] = {}
+        if phase == "preparing":  # what a resumed migration checks its acks against
+            extra = {"generation": flight.generation, "members": sorted(flight.members)}
         detail = {**extra, **(detail or {})}
         self.journal.set_migration_state(flight.id, phase, ts=now, detail=detail)
         return self._command(flight, now)
@@ -591,22 +618,28 @@ class Actuator:
         try:
             await subscribed.wait()
             await asyncio.sleep(self.config.settle_s)
-            await self._send(self.reconcile(clock.now()), publish)
+            await self._send(self._guarded(self.reconcile, clock.now(), "reconcile"), publish)
             while True:
                 batch = await sub.batch(TICK_S)
                 out: list[wire.Message] = []
                 for event in batch:
-                    try:
-                        out += self.on_event(event, clock.now())
-                    except sqlite3.Error as exc:
-                        # The journal is the record of truth: without it, act on nothing.
-                        self.log.error("journal write failed", error=str(exc))
-                    except Exception:  # a bug must not take the daemon down with it
-                        self.log.exception("actuator failed on an event", kind=type(event).__name__)
-                out += self.on_tick(clock.now())
+                    out += self._guarded(self.on_event, event, clock.now(), type(event).__name__)
+                out += self._guarded(self.on_tick, clock.now(), "tick")
                 await self._send(out, publish)
         finally:
             bus.unsubscribe(sub)
+
+    def _guarded(self, step: Callable[..., list[wire.Message]], *args: Any) -> list[wire.Message]:
+        *call, what = args
+        try:
+            return step(*call)
+        except sqlite3.Error as exc:
+            # The journal is the record of truth: without it, act on nothing (what
+            # was not journaled is retried by the resends and timeouts).
+            self.log.error("journal write failed", error=str(exc), during=what)
+        except Exception:  # a bug must not take the daemon down with it
+            self.log.exception("actuator failed", during=what)
+        return []
 
     async def _send(self, commands: list[wire.Message], publish: Publish) -> None:
         for command in commands:
@@ -618,3 +651,12 @@ class Actuator:
                     "command not sent; it is sent again", error=str(exc),
                     migration_id=getattr(command, "migration_id", ""),
                 )  # fmt: skip
+
+
+def _keep(flight: Flight, ack: wire.Ack) -> None:
+    """Record a member's answer; a repeat that carries the downtime replaces one that
+    did not (the first answer may have been lost, or come from a resend)."""
+    key = (ack.kind, ack.node)
+    held = flight.acks.get(key)
+    if held is None or (held.downtime is None and ack.downtime is not None):
+        flight.acks[key] = ack

@@ -125,7 +125,9 @@ async def _demo(
         await _watch(daemon, sub, job, p, seen)
     finally:
         if STOP_KEY not in seen:
-            job.store.set(STOP_KEY, "0")  # stop at once
+            # Stop soon, at a step no rank has reached yet: ranks that saw the key and
+            # ranks that did not must stop at the same step, or the last all-reduce fails.
+            job.store.set(STOP_KEY, str(_job_step(daemon) + 10))
         codes = await asyncio.to_thread(job.wait, None)
         job.terminate()
     rejected = await _publish_garbage_and_count(daemon, host, port)

@@ -47,6 +47,13 @@ CREATE TABLE IF NOT EXISTS migrations (
     detail TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations (state);
+CREATE TABLE IF NOT EXISTS memberships (
+    job TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    members TEXT NOT NULL
+);
 """
 _SCHEMA_VERSION: Final = 1
 
@@ -208,6 +215,25 @@ class Journal:
     def latest_migrations(self, limit: int = 10) -> list[MigrationRow]:
         """The newest migrations, newest first (``tmd status``)."""
         return self._migrations("ORDER BY created_ts DESC LIMIT ?", (max(1, limit),))
+
+    # -- memberships -------------------------------------------------------------------
+
+    def save_membership(
+        self, job: str, *, generation: int, step: int, ts: float, members: dict[int, str]
+    ) -> None:
+        """The last membership the actuator saw of ``job``: after a restart it tells
+        what changed while the daemon was down."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members)"
+                " VALUES (?,?,?,?,?)",
+                (job, generation, step, ts, json.dumps(sorted(members.items()))),
+            )
+
+    def memberships(self) -> dict[str, tuple[int, int, float, dict[int, str]]]:
+        """job -> (generation, step, ts, rank -> node)."""
+        rows = self._db.execute("SELECT job, generation, step, ts, members FROM memberships")
+        return {r[0]: (r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])}) for r in rows}
 
     def recent_migrations(self, since_ts: float) -> list[MigrationRow]:
         """Migrations created at or after ``since_ts``, oldest first (rate limits and

@@ -278,6 +278,19 @@ def test_restart_resumes_and_finishes_exactly_once(h: Harness, killed_after: str
     assert h.journal.in_flight() == []
 
 
+def test_a_migration_stopped_before_its_prepare_is_prepared_on_resume(h: Harness) -> None:
+    h.status(status())
+    h.journal.begin_migration(id="m1", job=JOB, leaver="w2", joiner="s0", reason="alert: x",
+                              ts=T0)  # fmt: skip
+    h.restart()
+    h.status(status(), T0 + 5)
+    [prepare] = h.actuator.reconcile(T0 + 6)
+    assert isinstance(prepare, wire.Prepare) and prepare.migration_id == "m1"
+    row = h.journal.migration("m1")
+    assert row is not None and row.state == "preparing" and row.detail["resumed"]
+    assert row.detail["members"] == WORKERS
+
+
 def test_restart_after_the_switch_finishes_from_the_status(h: Harness) -> None:
     mid = start(h)
     h.restart()
@@ -370,3 +383,74 @@ def test_membership_change_under_a_migration_ends_it(h: Harness) -> None:
     assert outcomes[mid] == "aborted"
     h.actuator.on_tick(T0 + 3 + RUNTIME_ACK_GRACE_S)
     assert [(e.node, e.to, e.outcome) for e in h.finished()][1:] == [("w0", "s0", "done")]
+
+
+# -- found in review ---------------------------------------------------------------------
+
+
+def test_a_resumed_migration_waits_for_every_member_even_before_the_status(h: Harness) -> None:
+    mid = start(h)
+    h.restart()  # no retained status arrives before the reconcile
+    [prepare] = h.actuator.reconcile(T0 + 10)
+    assert isinstance(prepare, wire.Prepare)
+    assert h.feed(ack(mid, "prepared", "w0")) == []  # two members have not answered
+    [switch] = h.feed(ack(mid, "prepared", "w1"), ack(mid, "prepared", "w2"))
+    assert isinstance(switch, wire.Switch)
+    h.feed(ack(mid, "switched", "s0", 0.1))
+    assert h.finished() == []  # the stayers' answers are still missing
+    h.feed(ack(mid, "switched", "w0", 0.1), ack(mid, "switched", "w1", 0.3))
+    assert [(e.outcome, e.downtime_s) for e in h.finished()] == [("done", 0.3)]
+
+
+def test_a_failover_while_the_daemon_was_down_is_journaled_once(h: Harness) -> None:
+    h.status(status())
+    h.restart()
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}, ts=T0 + 50), T0 + 60)  # retained
+    h.actuator.reconcile(T0 + 62)
+    h.feed(ack("failover-g0", "switched", "w0", 0.8))  # resent by nobody: lost; or late
+    [end] = h.finished()
+    assert (end.node, end.to, end.downtime_s) == ("w1", "s0", 0.8)
+    h.restart()
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}, ts=T0 + 50), T0 + 90)
+    h.actuator.reconcile(T0 + 92)
+    assert len(h.finished()) == 1 and h.journal.in_flight() == []
+
+
+def test_a_planned_switch_while_the_daemon_was_down_is_not_also_a_runtime_failover(
+    h: Harness,
+) -> None:
+    mid = start(h)
+    h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    h.restart()
+    h.status(status(1, ["w0", "w1", "s0"], ts=T0 + 50), T0 + 60)
+    h.actuator.reconcile(T0 + 62)
+    h.actuator.on_tick(T0 + 100)
+    assert [(e.migration_id, e.outcome) for e in h.finished()] == [(mid, "done")]
+    assert len(h.journal.recent_migrations(0)) == 1
+
+
+def test_each_rollback_of_a_job_is_recorded_even_at_generation_0(h: Harness) -> None:
+    def rollbacks() -> int:
+        return len([e for e in h.emitted if isinstance(e, events.CheckpointRestart)])
+
+    h.status(wire.JobStatus(**{**_fields(status()), "step": 40}))
+    h.feed(ack("failover-g0", "failed", "w0"))
+    h.status(wire.JobStatus(**{**_fields(status(ts=T0 + 30)), "step": 32}), T0 + 30)  # new run
+    h.feed(ack("failover-g0", "failed", "w0"))
+    assert rollbacks() == 2
+    h.status(wire.JobStatus(**{**_fields(status(ts=T0 + 1)), "step": 20}), T0 + 31)  # late, old
+    h.feed(ack("failover-g0", "failed", "w2"))  # another survivor of the same failure
+    assert rollbacks() == 2
+
+
+def _fields(s: wire.JobStatus) -> dict[str, object]:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+def test_an_answer_with_the_downtime_replaces_one_without(h: Harness) -> None:
+    mid = start(h)
+    h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    h.feed(ack(mid, "switched", "w0"), ack(mid, "switched", "s0", 0.1))  # w0's first: none
+    h.feed(ack(mid, "switched", "w0", 0.9))  # its answer to a resend carries it
+    h.feed(ack(mid, "switched", "w1", 0.2))
+    assert [e.downtime_s for e in h.finished()] == [0.9]

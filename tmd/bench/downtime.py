@@ -296,6 +296,8 @@ def _step_noise(reference: dict[tuple[int, int], list[Any]]) -> float:
     for (_rank, step), row in reference.items():
         ends[step] = max(ends.get(step, 0.0), row[3])
     gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s >= 3 and s - 1 in ends]
+    if not gaps:
+        return 0.0  # too few steps to tell
     median = statistics.median(gaps)
     devs = sorted(abs(g - median) for g in gaps)
     return float(devs[int(0.9 * (len(devs) - 1))])
