@@ -97,6 +97,24 @@ def with_standbys(store: Store, status: wire.JobStatus) -> wire.JobStatus:
     return msgspec.structs.replace(status, standbys=spare)
 
 
+def put_status(store: Store, status: wire.JobStatus) -> bytes | None:
+    """Store ``status``, with the standby registry, unless a newer one is there: every
+    member publishes at times (a prepare, an abort, a failover), each from its own
+    thread, so a late write must not undo a later status — a job that stopped must
+    not read as running. Newer is a higher (generation, step, time). Returns the
+    payload stored, or None when a newer status was kept."""
+    payload = wire.encode(with_standbys(store, status))
+    mine = (status.generation, status.step, status.ts)
+    while True:
+        old = bytes(store.get(STATUS_KEY)) if store.check([STATUS_KEY]) else b""
+        if old:
+            held = msgspec.json.decode(old, type=wire.JobStatus)
+            if (held.generation, held.step, held.ts) > mine:
+                return None
+        if bytes(store.compare_set(STATUS_KEY, old.decode(), payload.decode())) == payload:
+            return payload
+
+
 class _Poller:
     """A daemon thread that runs ``tick`` every ``interval`` and drains an outbox.
     Errors are counted and kept, never raised into training."""
@@ -192,7 +210,7 @@ class StoreControl:
 
     def publish_status(self, status: wire.JobStatus) -> None:
         def write() -> None:
-            put(self._store, STATUS_KEY, wire.encode(with_standbys(self._store, status)))
+            put_status(self._store, status)
 
         self._poller.submit(write)
 

@@ -180,7 +180,10 @@ class LocalJob:
             codes = {node: proc.poll() for node, proc in self.procs.items()}
             now = time.monotonic()
             stopped = self.job_stopped()  # read after polling: a clean end is seen
-            if stopped_at is None and stopped:
+            # Every member gone counts as an end too, whatever the status says (its
+            # last write may be lost with the process): idle standbys get ``grace``.
+            members_gone = all(codes.get(m, 0) is not None for m in self.members())
+            if stopped_at is None and (stopped or members_gone):
                 stopped_at = now
             if needs_restart(codes, self.members(), stopped=stopped):
                 return True

@@ -21,7 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from tmd import wire
 from tmd.errors import ConfigError, ProtocolError
-from tmd.runtime.control import STATUS_KEY, _Poller, put, standbys, with_standbys
+from tmd.runtime.control import _Poller, put_status, standbys
 from tmd.runtime.group import StoreAddress, connect_store
 
 
@@ -115,8 +115,11 @@ class MqttControl:
     def publish_status(self, status: wire.JobStatus) -> None:
         def send() -> None:
             self._standbys_seen = standbys(self._store)  # what this status reports
-            payload = wire.encode(with_standbys(self._store, status))
-            put(self._store, STATUS_KEY, payload)  # launchers read the status from the store
+            # Launchers read the status from the store; the store also says whether a
+            # newer one was published meanwhile (then this one is not sent at all).
+            payload = put_status(self._store, status)
+            if payload is None:
+                return
             topic = wire.job_topic(self.job, "status")
             self._last = self._client.publish(topic, payload, qos=1, retain=True)
 

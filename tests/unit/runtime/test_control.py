@@ -12,9 +12,11 @@ from tmd import wire
 from tmd.errors import ConfigError, MigrationError
 from tmd.runtime.control import (
     CTL_LOG,
+    STATUS_KEY,
     JobController,
     StoreControl,
     append,
+    put_status,
     register_standby,
     standbys,
 )
@@ -99,3 +101,22 @@ def test_environment_contract() -> None:
         RuntimeEnv.from_environ({"TMD_ROLE": "standby", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
     with pytest.raises(ConfigError):
         RuntimeEnv.from_environ({"RANK": "4", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
+
+
+def test_a_late_status_does_not_undo_a_newer_one(store) -> None:  # type: ignore[no-untyped-def]
+    def status(generation: int, step: int, ts: float, state: str) -> wire.JobStatus:
+        return wire.JobStatus(
+            ts=ts, job="j", generation=generation, world_size=2, step=step, state=state,  # type: ignore[arg-type]
+            members=[wire.Member(0, "w0"), wire.Member(1, "w1")],
+        )  # fmt: skip
+
+    def stored() -> wire.JobStatus:
+        return wire.decode(bytes(store.get(STATUS_KEY)), wire.JobStatus)  # type: ignore[no-any-return]
+
+    assert put_status(store, status(0, 0, 1.0, "running")) is not None
+    assert put_status(store, status(0, 12, 3.0, "stopped")) is not None
+    # rank 1's status from the start of the job, written late by its thread
+    assert put_status(store, status(0, 0, 2.0, "running")) is None
+    assert stored().state == "stopped"
+    assert put_status(store, status(1, 0, 0.5, "running")) is not None  # a new generation
+    assert stored().generation == 1
