@@ -90,20 +90,25 @@ def standbys(store: Store) -> list[wire.StandbyInfo]:
     return found
 
 
-def with_standbys(store: Store, status: wire.JobStatus) -> wire.JobStatus:
+def with_standbys(registry: list[wire.StandbyInfo], status: wire.JobStatus) -> wire.JobStatus:
     # A standby that joined stays registered; as a member it is no standby.
     members = {m.node for m in status.members}
-    spare = [s for s in standbys(store) if s.node not in members]
+    spare = [s for s in registry if s.node not in members]
     return msgspec.structs.replace(status, standbys=spare)
 
 
-def put_status(store: Store, status: wire.JobStatus) -> bytes | None:
+def put_status(
+    store: Store, status: wire.JobStatus, registry: list[wire.StandbyInfo] | None = None
+) -> bytes | None:
     """Store ``status``, with the standby registry, unless a newer one is there: every
     member publishes at times (a prepare, an abort, a failover), each from its own
     thread, so a late write must not undo a later status — a job that stopped must
     not read as running. Newer is a higher (generation, step, time). Returns the
-    payload stored, or None when a newer status was kept."""
-    payload = wire.encode(with_standbys(store, status))
+    payload stored, or None when a newer status was kept. ``registry``: the standby
+    registry, if the caller has just read it."""
+    if registry is None:
+        registry = standbys(store)
+    payload = wire.encode(with_standbys(registry, status))
     mine = (status.generation, status.step, status.ts)
     while True:
         old = bytes(store.get(STATUS_KEY)) if store.check([STATUS_KEY]) else b""

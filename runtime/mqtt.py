@@ -114,10 +114,10 @@ class MqttControl:
 
     def publish_status(self, status: wire.JobStatus) -> None:
         def send() -> None:
-            self._standbys_seen = standbys(self._store)  # what this status reports
+            registry = self._standbys_seen = standbys(self._store)  # what this one reports
             # Launchers read the status from the store; the store also says whether a
             # newer one was published meanwhile (then this one is not sent at all).
-            payload = put_status(self._store, status)
+            payload = put_status(self._store, status, registry)
             if payload is None:
                 return
             topic = wire.job_topic(self.job, "status")

@@ -116,7 +116,6 @@ class Actuator:
         self.metrics = metrics
         self.log = log.get("actuator")
         self.flights: dict[str, Flight] = {}
-        self.reconciled = False
         # The membership the actuator last saw per job, kept in the journal so that a
         # restarted daemon sees what changed while it was down:
         # job -> (generation, step, status ts, rank -> node).
@@ -158,7 +157,6 @@ class Actuator:
 
     def reconcile(self, now: float) -> list[wire.Message]:
         """Resume what the journal holds in flight (once, after a restart)."""
-        self.reconciled = True
         out: list[wire.Message] = []
         for row in self.journal.recent_migrations(now - 3600):
             if row.state not in TERMINAL_STATES:
@@ -419,10 +417,7 @@ class Actuator:
             reason=flight.reason, ts=now,
         ):  # fmt: skip
             return  # already journaled (a status seen again after a restart)
-        self.guard_state.record_start(
-            events.Migrate(ts=now, policy="runtime", reason="", job=flight.job, node=leaver), now
-        )
-        self._track(flight)
+        self._start(flight, now)
         self.journal.set_migration_state(
             flight.id, "switching", ts=now, detail={"rank": rank, "runtime_id": runtime_id}
         )
