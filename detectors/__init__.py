@@ -1,7 +1,7 @@
 """Detectors (``tmd.detectors``): turn raw signals into typed findings.
 
-Each detector is a ``tmd.plugins.Plugin`` whose ``observe``/``tick`` return findings
-(``tmd.events.Finding``). They are pure about time: ``now`` is passed in, taken from
+Each detector is a ``tmd.daemon.plugins.Plugin`` whose ``observe``/``tick`` return findings
+(``tmd.daemon.events.Finding``). They are pure about time: ``now`` is passed in, taken from
 the injected clock. Built-ins are listed here by name; the name is also the config
 section (``[detectors.NAME]``), the metric label and the logger name.
 """

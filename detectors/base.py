@@ -6,4 +6,4 @@ from tmd.plugins import Plugin
 
 
 class Detector(Plugin):
-    """Consumes wire messages (``tmd.wire``) and emits ``tmd.events.Finding``s."""
+    """Consumes wire messages (``tmd.wire``) and emits ``tmd.daemon.events.Finding``s."""

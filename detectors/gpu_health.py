@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from tmd import events, wire
+from tmd import wire
+from tmd.daemon import events
 from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context

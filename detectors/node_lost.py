@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from tmd import events, wire
+from tmd import wire
+from tmd.daemon import events
 from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context

@@ -13,11 +13,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
-from tmd import events
+from tmd.daemon import events
+from tmd.daemon.view import JobView
 from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context
-from tmd.view import JobView
 
 
 @dataclass(frozen=True, kw_only=True)

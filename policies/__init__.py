@@ -1,7 +1,7 @@
 """Policies (``tmd.policies``): turn findings and the cluster view into decisions.
 
-Each policy is a ``tmd.plugins.Plugin`` whose ``observe``/``tick`` return decisions
-(``tmd.events.Decision``), always with a reason that is journaled. Built-ins are
+Each policy is a ``tmd.daemon.plugins.Plugin`` whose ``observe``/``tick`` return decisions
+(``tmd.daemon.events.Decision``), always with a reason that is journaled. Built-ins are
 listed here by name; the name is also the config section (``[policies.NAME]``).
 """
 

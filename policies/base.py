@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from tmd.daemon.view import ClusterView
 from tmd.plugins import Plugin
-from tmd.view import ClusterView
 
 
 class Policy(Plugin):
-    """Consumes findings and requests; emits ``tmd.events.Decision``s, each with a reason.
+    """Consumes findings and requests; emits ``tmd.daemon.events.Decision``s, each with a reason.
 
-    Decisions are wishes: the guardrails (``tmd.policies.guardrails``) and the actuator
+    Decisions are wishes: the guardrails (``tmd.daemon.actuator.guardrails``) and the actuator
     decide what is executed, and journal why when it is not."""
 
 

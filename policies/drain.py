@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tmd import events
+from tmd.daemon import events
 from tmd.policies.base import Policy, jobs_on
 
 

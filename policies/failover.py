@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tmd import events
+from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
 from tmd.policies.base import Policy, jobs_on, ready_standbys

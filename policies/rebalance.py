@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from tmd import events
+from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
 from tmd.policies.base import Policy, ready_standbys

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 from tmd.errors import ConfigError, RestartRequired
-from tmd.runtime.baselines import load_checkpoint, write_checkpoint
+from tmd.runtime.checkpoint_io import load_checkpoint, write_checkpoint
 from tmd.runtime.control import put
 
 if TYPE_CHECKING:

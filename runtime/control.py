@@ -10,7 +10,7 @@ Two channels speak the same v1 wire messages (``tmd.wire``):
 - ``StoreControl`` keeps an append-only log of commands and acks in the job's
   TCPStore. ``JobController`` writes that log: the direct Python API that drives
   migrations in tests and scripts without a broker.
-- ``MqttControl`` (``tmd.runtime.mqtt``) subscribes to ``tmd/v1/job/{job}/ctl``.
+- ``MqttControl`` (``tmd.runtime.mqtt_control``) subscribes to ``tmd/v1/job/{job}/ctl``.
 
 Both also keep the standby registry in the store, which is where the job's status
 finds its standbys and where failover finds a ready one.

@@ -166,7 +166,7 @@ class Session:
     def __enter__(self) -> Session:
         sink = None
         if self._control is None and self.env.broker:
-            from tmd.runtime.mqtt import MqttControl
+            from tmd.runtime.mqtt_control import MqttControl
 
             mqtt = MqttControl(self.env.broker, job=self.env.job, node=self.env.node,
                                store=self.env.store)  # fmt: skip

@@ -18,8 +18,8 @@ import structlog
 
 from tests.helpers import Publisher
 from tmd import config as config_mod
-from tmd.app import Daemon
-from tmd.broker import Mosquitto, find_mosquitto
+from tmd.daemon.daemon import Daemon
+from tmd.tools.mosquitto import Mosquitto, find_mosquitto
 
 
 @pytest.fixture(autouse=True)

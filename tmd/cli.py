@@ -26,15 +26,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Verbs with their own argument parsers take the rest of the line untouched.
     if argv[:2] == ["bench", "ingest"]:
-        from tmd.bench import ingest
+        from tmd.tools.bench import ingest
 
         return ingest.main(argv[2:])
     if argv[:2] == ["bench", "detect"]:
-        from tmd.bench import detect
+        from tmd.tools.bench import detect
 
         return detect.main(argv[2:])
     if argv[:2] == ["bench", "downtime"]:
-        from tmd.bench import downtime
+        from tmd.tools.bench import downtime
 
         return int(downtime.main(argv[2:]))
     if argv[:1] == ["launch"]:
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "run":
             return _run(args.config)
         if args.verb == "agent":
-            from tmd import agent as agent_mod
+            from tmd.agent import agent as agent_mod
 
             return agent_mod.run(_config_path(args.config), once=args.once, as_json=args.json)
         if args.verb == "check-config":
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb in ("drain", "migrate"):
             return _request(args)
         if args.verb == "demo":
-            from tmd import demo as demo_mod
+            from tmd.tools import demo as demo_mod
 
             return demo_mod.run(
                 png=args.png, slow_s=args.slow_s, keep=args.keep,
@@ -163,16 +163,15 @@ def _config_path(given: str | None) -> str | None:
 
 
 def _validate_plugins(cfg: config_mod.Config) -> None:
-    from tmd import plugins
+    from tmd.daemon.daemon import plugin_specs
 
-    plugins.configure("detectors", cfg.detectors, plugins.available("detectors"))
-    plugins.configure("policies", cfg.policies, plugins.available("policies"))
+    plugin_specs(cfg)
 
 
 def _run(config_path: str | None) -> int:
     cfg = config_mod.load(_config_path(config_path))
     log.setup(level=cfg.log.level, format=cfg.log.format)
-    from tmd.app import Daemon
+    from tmd.daemon.daemon import Daemon
 
     async def serve() -> None:
         daemon = Daemon(cfg)
@@ -216,7 +215,7 @@ def _token(args: argparse.Namespace) -> str:
             return f.read().strip()
     if os.environ.get("TMD_API_TOKEN"):
         return os.environ["TMD_API_TOKEN"]
-    from tmd.api import read_token
+    from tmd.daemon.api import read_token
 
     return read_token(config_mod.api_address(_config_path(args.config)))
 
@@ -254,7 +253,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from tmd.tables import render_status
+    from tmd.daemon.tables import render_status
 
     print(render_status(data, all_ranks=args.ranks))
     return 0
@@ -271,7 +270,7 @@ def _events(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    from tmd.tables import render_events
+    from tmd.daemon.tables import render_events
 
     print(render_events(rows))
     return 0

@@ -6,7 +6,7 @@ frozen dataclass; ``load`` checks every key's type and range and raises
 
 Environment overrides use a double underscore between levels, the value parsed as
 the key's type: ``TMD_MQTT__PORT=8883``, ``TMD_API__TOKEN_FILE=/run/secrets/tmd``,
-``TMD_DETECTORS__STRAGGLER__THRESHOLD=0.8``.
+``TMD_DETECTORS__STRAGGLER__MIN_SLOWDOWN=0.1``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tmd.errors import ConfigError
-from tmd.policies.guardrails import GuardrailsConfig
 
 ENV_PREFIX = "TMD_"
 T = typing.TypeVar("T")
@@ -188,7 +187,7 @@ class AgentConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ActuatorConfig:
-    """How the daemon drives migrations against the runtime (``tmd.actuator``)."""
+    """How the daemon drives migrations against the runtime (``tmd.daemon.actuator``)."""
 
     enabled: bool = True  # false: decisions are journaled, nothing is sent to jobs
     # From Prepare to every member's and the joiner's ``prepared``: the next group is
@@ -211,6 +210,25 @@ class ActuatorConfig:
         for key in ("prepare_timeout_s", "switch_timeout_s", "abort_timeout_s", "resend_s"):
             _check(getattr(self, key) > 0, f"actuator.{key}", "must be > 0")
         _check(self.settle_s >= 0, "actuator.settle_s", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardrailsConfig:
+    """Limits the actuator puts on every decision (``tmd.daemon.actuator.guardrails``)."""
+
+    dry_run: bool = False
+    max_concurrent_per_job: int = 1
+    min_standby_pool: int = 1
+    node_cooldown_s: float = 1800.0
+    max_per_hour: int = 12
+
+    def validate(self) -> None:
+        _check(
+            self.max_concurrent_per_job >= 1, "guardrails.max_concurrent_per_job", "must be >= 1"
+        )
+        _check(self.min_standby_pool >= 0, "guardrails.min_standby_pool", "must be >= 0")
+        _check(self.node_cooldown_s >= 0, "guardrails.node_cooldown_s", "must be >= 0")
+        _check(self.max_per_hour >= 1, "guardrails.max_per_hour", "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

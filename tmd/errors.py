@@ -59,3 +59,13 @@ class RestartRequired(TmdError):
 
 class PluginError(TmdError):
     """A detector or policy could not be loaded or configured."""
+
+
+class PublishError(TmdError):
+    """A message could not be handed to the broker: not connected, refused or timed out.
+    Callers retry; the command they were sending is resent by its own schedule."""
+
+
+class JournalError(TmdError):
+    """The journal (SQLite) could not be read or written; ``sqlite3`` errors are
+    translated into this at the journal's edge."""

@@ -1,8 +1,8 @@
-"""A fake NVML: the pynvml calls ``tmd.nvml`` makes, over scripted device state.
+"""A fake NVML: the pynvml calls ``tmd.agent.nvml`` makes, over scripted device state.
 
 ``FakeNvml`` carries pynvml's names (functions, ``NVML_*`` constants, the
 ``NVMLError_*`` classes) with pynvml's values and return shapes, so the adapter is
-pointed at it in place of the module. tests/unit/test_nvml.py checks every name
+pointed at it in place of the module. tests/unit/agent/test_nvml.py checks every name
 against the real bindings when they are installed.
 
 Faults are scripted per GPU, now or ``after`` some seconds from nvmlInit: an XID, a
@@ -426,7 +426,7 @@ def scenario(name: str) -> FakeNvml:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tmd import agent
+    from tmd.agent import agent
     from tmd.errors import ConfigError, TmdError
 
     p = argparse.ArgumentParser(prog="python -m tests.fakes.nvml")

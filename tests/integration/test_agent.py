@@ -23,13 +23,13 @@ from tests.conftest import DaemonFactory
 from tests.fakes import nvml as fake_mod
 from tests.fakes.nvml import FakeNvml
 from tests.helpers import eventually
-from tmd import agent as agent_mod
 from tmd import config as config_mod
 from tmd import wire
-from tmd.agent import Agent
-from tmd.broker import Mosquitto
+from tmd.agent import agent as agent_mod
+from tmd.agent.agent import Agent
+from tmd.agent.nvml import Nvml, NvmlUnavailable
 from tmd.errors import ConfigError
-from tmd.nvml import Nvml, NvmlUnavailable
+from tmd.tools.mosquitto import Mosquitto
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"status": wire.NodeStatus, "gpu": wire.NodeGpu, "xid": wire.XidEvent}

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import Publisher
 from tmd import wire
-from tmd.broker import Mosquitto, free_port
+from tmd.tools.mosquitto import Mosquitto, free_port
 
 
 @pytest.fixture

@@ -17,9 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import DaemonFactory
 from tests.helpers import Publisher, eventually
-from tmd import synth, wire
-from tmd.app import Daemon
-from tmd.broker import Mosquitto
+from tmd import wire
+from tmd.daemon.daemon import Daemon
+from tmd.tools import synth
+from tmd.tools.mosquitto import Mosquitto
 
 
 def now() -> float:
@@ -328,10 +329,10 @@ async def test_a_core_failure_ends_the_daemon_with_an_error(
     broker: Mosquitto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Plug-ins restart; the core does not: systemd restarts the whole daemon."""
-    from tmd import app
     from tmd import config as config_mod
+    from tmd.daemon import daemon as daemon_mod
 
-    monkeypatch.setattr(app, "HOUSEKEEPING_INTERVAL_S", 0.05)
+    monkeypatch.setattr(daemon_mod, "HOUSEKEEPING_INTERVAL_S", 0.05)
     daemon = Daemon(
         config_mod.from_dict(
             {
@@ -354,7 +355,7 @@ async def test_a_core_failure_ends_the_daemon_with_an_error(
 async def test_journal_write_failure_is_counted_and_the_event_still_flows(
     broker: Mosquitto, start_daemon: DaemonFactory
 ) -> None:
-    from tmd import events
+    from tmd.daemon import events
 
     daemon = await start_daemon(broker)
     sub = daemon.bus.subscribe("t", (events.Finding,))

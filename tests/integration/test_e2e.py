@@ -25,9 +25,9 @@ import pytest
 
 from tests.integration.e2e_train import SCRIPT
 from tests.integration.runtime_conftest_helpers import assert_same_as
-from tmd.broker import Mosquitto, free_port
 from tmd.runtime.control import standbys
 from tmd.runtime.launch import LocalJob
+from tmd.tools.mosquitto import Mosquitto, free_port
 
 pytestmark = pytest.mark.slow
 

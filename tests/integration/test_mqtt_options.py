@@ -22,8 +22,8 @@ from tests.helpers import Publisher, eventually
 from tests.integration.test_daemon import iter_batch
 from tmd import config as config_mod
 from tmd import wire
-from tmd.app import Daemon
-from tmd.broker import Mosquitto
+from tmd.daemon.daemon import Daemon
+from tmd.tools.mosquitto import Mosquitto
 
 
 def _pki(d: Path) -> None:

@@ -15,8 +15,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.integration.runtime_conftest_helpers import assert_same_as, run_job
 from tmd import wire
-from tmd.broker import Mosquitto, find_mosquitto
 from tmd.runtime.control import standbys
+from tmd.tools.mosquitto import Mosquitto, find_mosquitto
 
 pytestmark = [
     pytest.mark.slow,

@@ -6,12 +6,13 @@ from typing import Any
 
 import pytest
 
-from tmd import events, wire
+from tmd import wire
 from tmd.clock import SystemClock
+from tmd.daemon import events
+from tmd.daemon.plugins import Context
+from tmd.daemon.view import ClusterView
 from tmd.detectors.gpu_health import GpuHealthConfig, GpuHealthDetector
 from tmd.errors import ConfigError
-from tmd.plugins import Context
-from tmd.view import ClusterView
 
 T0 = 1_800_000_000.0
 

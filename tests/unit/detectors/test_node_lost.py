@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 
 from tests.fakes.clock import FakeClock
-from tmd import events, wire
+from tmd import wire
+from tmd.daemon import events
+from tmd.daemon.plugins import Context
+from tmd.daemon.view import ClusterView
 from tmd.detectors.node_lost import NodeLostConfig, NodeLostDetector
-from tmd.plugins import Context
-from tmd.view import ClusterView
 
 T0 = 1_800_000_000.0
 

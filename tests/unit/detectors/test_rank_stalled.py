@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from tmd import events, wire
+from tmd import wire
 from tmd.clock import SystemClock
+from tmd.daemon import events
+from tmd.daemon.plugins import Context
+from tmd.daemon.view import ClusterView
 from tmd.detectors.rank_stalled import RankStalledConfig, RankStalledDetector
-from tmd.plugins import Context
-from tmd.view import ClusterView
 
 T0 = 1_800_000_000.0
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tmd import events, traces, wire
-from tmd.bench.detect import replay
+from tmd import wire
 from tmd.clock import SystemClock
+from tmd.daemon import events
+from tmd.daemon.plugins import Context
+from tmd.daemon.view import ClusterView
 from tmd.detectors.straggler import StragglerConfig, StragglerDetector, interquartile_mean, score
-from tmd.plugins import Context
-from tmd.view import ClusterView
+from tmd.tools import traces
+from tmd.tools.bench.detect import replay
 
 SHAPE = dict(ranks=16, ranks_per_node=4, steps=220)
 

@@ -6,15 +6,16 @@ from typing import Any
 
 import pytest
 
-from tmd import events, wire
+from tmd import wire
 from tmd.clock import SystemClock
+from tmd.daemon import events
+from tmd.daemon.plugins import Context
+from tmd.daemon.view import ClusterView
 from tmd.errors import ConfigError
-from tmd.plugins import Context
 from tmd.policies.alert import AlertConfig, AlertPolicy
 from tmd.policies.drain import DrainPolicy
 from tmd.policies.failover import FailoverConfig, FailoverPolicy
 from tmd.policies.rebalance import RebalanceConfig, RebalancePolicy
-from tmd.view import ClusterView
 
 T0 = 1_800_000_000.0
 

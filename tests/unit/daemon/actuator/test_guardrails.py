@@ -1,0 +1,82 @@
+"""Guardrails: a pure check of each migration against the configured limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from tmd.config import GuardrailsConfig
+from tmd.daemon import events
+from tmd.daemon.actuator.guardrails import GuardState, check
+from tmd.errors import ConfigError
+
+T0 = 1_800_000_000.0
+
+
+def migrate(policy: str = "rebalance", job: str = "a", node: str = "n0") -> events.Migrate:
+    return events.Migrate(ts=T0, policy=policy, job=job, node=node, reason="test")
+
+
+def test_limits() -> None:
+    cfg = GuardrailsConfig(node_cooldown_s=100, max_per_hour=3, min_standby_pool=1)
+    state = GuardState()
+    assert check(migrate(), config=cfg, state=state, ready_standbys=2, now=T0) is None
+    state.record_start(migrate(), T0)
+    blocked = check(migrate(node="n1"), config=cfg, state=state, ready_standbys=2, now=T0)
+    assert blocked and "max_concurrent_per_job" in blocked
+    assert (
+        check(migrate(job="b", node="n1"), config=cfg, state=state, ready_standbys=2, now=T0)
+        is None
+    )
+    state.record_end("a")
+    blocked = check(migrate(job="b"), config=cfg, state=state, ready_standbys=2, now=T0 + 50)
+    assert blocked and "node_cooldown_s" in blocked
+    assert check(migrate(job="b"), config=cfg, state=state, ready_standbys=2, now=T0 + 150) is None
+    for i in range(2):
+        state.record_start(migrate(job=f"j{i}", node=f"m{i}"), T0 + 200)
+    blocked = check(
+        migrate(job="c", node="x"), config=cfg, state=state, ready_standbys=2, now=T0 + 300
+    )
+    assert blocked and "max_per_hour" in blocked
+    assert (
+        check(migrate(job="c", node="x"), config=cfg, state=state, ready_standbys=2, now=T0 + 3601)
+        is None
+    )  # the first one left the hour
+
+
+@pytest.mark.parametrize(
+    ("policy", "ready", "allowed"),
+    [
+        ("rebalance", 1, False),
+        ("drain", 1, False),
+        ("rebalance", 2, True),
+        ("failover", 1, True),
+        ("alert", 1, True),
+        ("failover", 0, False),
+    ],
+)
+def test_the_standby_pool(policy: str, ready: int, allowed: bool) -> None:
+    verdict = check(
+        migrate(policy),
+        config=GuardrailsConfig(min_standby_pool=1),
+        state=GuardState(),
+        ready_standbys=ready,
+        now=T0,
+    )
+    assert (verdict is None) == allowed
+
+
+def test_dry_run_blocks_everything() -> None:
+    verdict = check(
+        migrate("failover"),
+        config=GuardrailsConfig(dry_run=True),
+        state=GuardState(),
+        ready_standbys=5,
+        now=T0,
+    )
+    assert verdict and verdict.startswith("dry run")
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        GuardrailsConfig(max_per_hour=0).validate()
+    assert err.value.key == "guardrails.max_per_hour"

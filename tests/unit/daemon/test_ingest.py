@@ -1,0 +1,218 @@
+"""Ingest edge without a broker: topic classification and the handler's verdicts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.fakes.clock import FakeClock
+from tmd import config, wire
+from tmd.daemon.bus import Bus
+from tmd.daemon.ingest import Ingest, classify
+from tmd.daemon.metrics import Metrics
+from tmd.daemon.view import ClusterView
+from tmd.errors import ProtocolError
+
+
+@pytest.mark.parametrize(
+    ("topic", "expected"),
+    [
+        ("tmd/v1/node/n-1/status", ("node_status", "n-1", None)),
+        ("tmd/v1/node/n-1/gpu", ("gpu", "n-1", None)),
+        ("tmd/v1/node/n-1/xid", ("xid", "n-1", None)),
+        ("tmd/v1/job/j/rank/0/iter", ("iter", "j", 0)),
+        ("tmd/v1/job/j/rank/4095/iter", ("iter", "j", 4095)),
+        ("tmd/v1/job/j/status", ("job_status", "j", None)),
+        ("tmd/v1/job/j/ack", ("ack", "j", None)),
+    ],
+)
+def test_classify(topic: str, expected: tuple[str, str, int | None]) -> None:
+    assert classify(topic) == expected
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "tmd/v2/node/n/gpu",
+        "tmd/v1/node/n/temp",
+        "tmd/v1/job/j/ctl",
+        "tmd/v1/job/j/rank/-1/iter",
+        "tmd/v1/job/j/rank/01/iter",
+        "tmd/v1/job/j/rank/123456789/iter",
+        "tmd/v1/job/j/rank/1/x",
+        "other/topic",
+        "",
+        "tmd/v1",
+    ],
+)
+def test_classify_rejects(topic: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        classify(topic)
+    assert err.value.reason == "topic"
+
+
+def make_ingest(**ingest: object) -> tuple[Ingest, ClusterView, Metrics, Bus]:
+    view, metrics, bus = ClusterView(), Metrics(), Bus()
+    cfg = config.from_dict({"ingest": ingest})
+    return (
+        Ingest(
+            mqtt=cfg.mqtt,
+            config=cfg.ingest,
+            view=view,
+            bus=bus,
+            metrics=metrics,
+            clock=FakeClock(time.time()),
+        ),
+        view,
+        metrics,
+        bus,
+    )
+
+
+def test_handler_applies_publishes_and_counts() -> None:
+    ingest, view, metrics, bus = make_ingest()
+    seen = bus.subscribe("t", (wire.IterBatch,))
+    t = time.time()
+    batch = wire.IterBatch(
+        ts=t, job="j", rank=2, node="n", steps=[wire.StepTiming(1, t, 1, 1, 0, 0, 0)]
+    )
+    ingest.handle(wire.iter_topic("j", 2), wire.encode(batch))
+    ingest.handle(wire.iter_topic("j", 2), wire.encode(batch))  # a duplicate delivery
+    assert view.jobs["j"].ranks[2].total_steps == 1
+    assert len(seen) == 2
+    sample = metrics.registry.get_sample_value
+    assert sample("tmd_rank_steps_total", {"outcome": "accepted"}) == 1
+    assert sample("tmd_rank_steps_total", {"outcome": "duplicate"}) == 1
+    assert sample("tmd_messages_received_total", {"kind": "iter"}) == 2
+
+
+def test_cleared_retained_status_is_not_a_rejection() -> None:
+    ingest, _, metrics, _ = make_ingest()
+    ingest.handle(wire.job_topic("j", "status"), b"")
+    ingest.handle(wire.node_topic("n", "status"), b"")
+    ingest.handle(wire.node_topic("n", "gpu"), b"")  # not retained: empty is malformed
+    total = sum(
+        metrics.registry.get_sample_value("tmd_messages_rejected_total", {"reason": r}) or 0
+        for r in ("json", "schema")
+    )
+    assert total == 1
+
+
+def test_status_has_its_own_size_limit() -> None:
+    ingest, view, metrics, _ = make_ingest(max_payload_bytes=4096)
+    members = [wire.Member(r, f"node-{r:05d}") for r in range(1000)]
+    status = wire.JobStatus(
+        ts=time.time(), job="big", generation=0, world_size=1000, members=members
+    )
+    payload = wire.encode(status)
+    assert len(payload) > 4096
+    ingest.handle(wire.job_topic("big", "status"), payload)
+    assert view.jobs["big"].world_size == 1000
+    ingest.handle(wire.node_topic("n", "gpu"), b" " * 5000)
+    assert (
+        metrics.registry.get_sample_value("tmd_messages_rejected_total", {"reason": "oversize"})
+        == 1
+    )
+
+
+def test_inputs_the_decoder_does_not_foresee_are_rejected_not_raised() -> None:
+    ingest, view, metrics, _ = make_ingest()
+    deep = b'{"v":1,"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    ingest.handle(wire.node_topic("n", "gpu"), deep)
+    ingest.handle("tmd/v1/job/j/rank/\u00b2/iter", b"{}")  # a digit to str.isdigit, not int()
+    ingest.handle("tmd/v1/job/j/rank/\u0661\u0662/iter", b"{}")  # Arabic-Indic "12"
+    sample = metrics.registry.get_sample_value
+    assert sample("tmd_messages_rejected_total", {"reason": "json"}) == 1
+    assert sample("tmd_messages_rejected_total", {"reason": "topic"}) == 2
+    assert view.jobs == {}
+
+
+def test_a_bug_behind_the_checks_is_counted_as_internal() -> None:
+    ingest, view, metrics, _ = make_ingest()
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("bug")
+
+    view.apply_gpu = broken  # type: ignore[method-assign]
+    ingest.handle(wire.node_topic("n", "gpu"), wire.encode(wire.NodeGpu(ts=time.time(), node="n")))
+    assert (
+        metrics.registry.get_sample_value("tmd_messages_rejected_total", {"reason": "internal"})
+        == 1
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    kind=st.sampled_from(
+        [
+            "node/{}/status",
+            "node/{}/gpu",
+            "node/{}/xid",
+            "job/{}/rank/{}/iter",
+            "job/{}/status",
+            "job/{}/ack",
+        ]
+    ),
+    a=st.text(max_size=12),
+    b=st.text(max_size=12),
+    payload=st.one_of(
+        st.binary(max_size=200),
+        st.recursive(
+            st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
+            lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+            max_leaves=20,
+        ).map(lambda v: json.dumps(v).encode()),
+    ),
+    retained=st.booleans(),
+)
+def test_handle_never_raises_and_counts_every_message(
+    kind: str, a: str, b: str, payload: bytes, retained: bool
+) -> None:
+    ingest, _, metrics, _ = make_ingest()
+    ingest.handle("tmd/v1/" + kind.format(a, b), payload, retained=retained)
+    received = sum(
+        metrics.registry.get_sample_value("tmd_messages_received_total", {"kind": k}) or 0
+        for k in ("node_status", "gpu", "xid", "iter", "job_status", "ack", "unknown")
+    )
+    assert received == 1
+
+
+def test_retained_status_updates_the_view_but_is_not_news() -> None:
+    ingest, view, _, bus = make_ingest()
+    news = bus.subscribe("t", (wire.NodeStatus, wire.JobStatus))
+    will = wire.NodeStatus(ts=time.time() - 86400, node="old", state="offline")
+    ingest.handle(wire.node_topic("old", "status"), wire.encode(will), retained=True)
+    assert view.nodes["old"].state == "offline"
+    assert len(news) == 0
+    ingest.handle(wire.node_topic("old", "status"), wire.encode(will))
+    assert len(news) == 1
+
+
+def test_cleared_retained_job_status_forgets_the_job() -> None:
+    ingest, view, _, _ = make_ingest()
+    status = wire.JobStatus(
+        ts=time.time(), job="done", generation=0, world_size=1, members=[wire.Member(0, "n")]
+    )
+    ingest.handle(wire.job_topic("done", "status"), wire.encode(status), retained=True)
+    assert "done" in view.jobs
+    ingest.handle(wire.job_topic("done", "status"), b"", retained=True)
+    assert "done" not in view.jobs
+
+
+def test_refused_suback_codes() -> None:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    from tmd.daemon.ingest import _refused
+
+    assert _refused((1, 1, 0)) == []
+    assert _refused((1, 0x80)) == [0x80]
+    ok, denied = (
+        ReasonCode(PacketTypes.SUBACK, "Granted QoS 1"),
+        ReasonCode(PacketTypes.SUBACK, "Not authorized"),
+    )
+    assert _refused([ok, denied]) == [denied]

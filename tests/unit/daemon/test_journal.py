@@ -1,0 +1,53 @@
+"""Journal: findings and decisions are queryable; migrations keep their history and
+survive a restart (reopen), so in-flight ones are known."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tmd.daemon import events
+from tmd.daemon.journal import Journal
+
+TS = 1_800_000_000.0
+
+
+def test_events_recorded_and_filtered(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3")
+    a = j.record(events.NodeLost(ts=TS, node="n1", cause="heartbeat"), source="node_lost")
+    b = j.record(
+        events.Migrate(ts=TS + 1, policy="drain", reason="operator", job="job1", node="n1"),
+        source="drain",
+    )
+    rows = j.events()
+    assert [r.id for r in rows] == [a, b]
+    assert rows[0].kind == "NodeLost" and rows[0].body["cause"] == "heartbeat"
+    assert rows[1].job == "job1" and rows[1].source == "drain"
+    assert [r.id for r in j.events(kind="Migrate")] == [b]
+    assert [r.id for r in j.events(after_id=a)] == [b]
+    assert [r.id for r in j.events(newest_first=True, limit=1)] == [b]
+    assert j.prune(TS + 0.5) == 1
+    assert [r.id for r in j.events()] == [b]
+    assert j._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_migrations_survive_restart(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite3"
+    j = Journal(path)
+    assert j.begin_migration(id="m1", job="job", leaver="n1", joiner="s1", reason="xid 79", ts=TS)
+    assert not j.begin_migration(id="m1", job="job", leaver="n1", joiner="s1", reason="x", ts=TS)
+    j.set_migration_state("m1", "prepared", ts=TS + 1, detail={"warm": True})
+    j.begin_migration(id="m2", job="job", leaver="n2", joiner="s2", reason="drain", ts=TS + 2)
+    j.set_migration_state("m2", "done", ts=TS + 3, detail={"downtime_s": 0.2})
+    j.close()
+
+    j = Journal(path)  # the daemon restarted
+    flight = j.in_flight()
+    assert [(m.id, m.state, m.detail) for m in flight] == [("m1", "prepared", {"warm": True})]
+    with pytest.raises(ValueError, match="already done"):
+        j.set_migration_state("m2", "switching", ts=TS + 4)
+    with pytest.raises(KeyError):
+        j.set_migration_state("nope", "done", ts=TS)
+    history = [(r.body["migration_id"], r.body["state"]) for r in j.events(kind="MigrationState")]
+    assert history == [("m1", "planned"), ("m1", "prepared"), ("m2", "planned"), ("m2", "done")]

@@ -1,0 +1,151 @@
+"""Cluster view: bounded per-rank windows; duplicate, late and out-of-order steps;
+rank bounds from the job's status; caps on jobs and nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tmd import wire
+from tmd.daemon.view import ClusterView
+from tmd.errors import ProtocolError
+
+TS = 1_800_000_000.0
+
+
+def batch(rank: int, steps: list[int], *, job: str = "j", compute: float = 0.5) -> wire.IterBatch:
+    return wire.IterBatch(
+        ts=TS,
+        job=job,
+        rank=rank,
+        node=f"n{rank}",
+        steps=[wire.StepTiming(s, TS + s, 1.0, compute, 0.4, 0.05, 0.05) for s in steps],
+    )
+
+
+def test_steps_land_and_duplicates_late_out_of_order_are_handled() -> None:
+    view = ClusterView(window_steps=8)
+    assert view.apply_iter(batch(0, [1, 2, 3]), TS).accepted == 3
+    dup = view.apply_iter(batch(0, [3, 2]), TS)
+    assert (dup.accepted, dup.duplicate) == (0, 2)
+    view.apply_iter(batch(0, [10]), TS)  # a gap: steps 4..9 missing
+    assert view.apply_iter(batch(0, [5]), TS).accepted == 1  # out of order, still in window
+    late = view.apply_iter(batch(0, [2]), TS)  # 2 <= 10 - 8: older than the window
+    assert (late.accepted, late.late) == (0, 1)
+    rank = view.jobs["j"].ranks[0]
+    assert rank.last_step == 10
+    assert rank.total_steps == 5
+    assert (rank.duplicates, rank.late) == (2, 1)
+    assert len(rank.recent("compute_s")) == 3  # 3, 5, 10 are within the last 8 steps
+
+
+def test_window_is_bounded() -> None:
+    view = ClusterView(window_steps=16)
+    for s in range(1, 1000):
+        view.apply_iter(batch(0, [s], compute=float(s % 7) / 10), TS)
+    rank = view.jobs["j"].ranks[0]
+    assert len(rank.steps) == 16
+    assert len(rank.recent("step_s")) == 16
+    # float32 storage: approx.
+    assert rank.recent("compute_s", last=2) == pytest.approx([(998 % 7) / 10, (999 % 7) / 10])
+
+
+def test_rank_bound_comes_from_job_status() -> None:
+    view = ClusterView(max_ranks_per_job=100)
+    with pytest.raises(ProtocolError) as err:
+        view.apply_iter(batch(100, [1]), TS)
+    assert err.value.reason == "rank"
+    view.apply_iter(batch(5, [1]), TS)
+    view.apply_iter(batch(3, [1]), TS)
+    status = wire.JobStatus(
+        ts=TS,
+        job="j",
+        generation=1,
+        world_size=4,
+        members=[wire.Member(r, f"n{r}") for r in range(4)],
+    )
+    view.apply_job_status(status, TS)
+    assert sorted(view.jobs["j"].ranks) == [3]  # rank 5 no longer exists
+    assert view.total_ranks == 1
+    with pytest.raises(ProtocolError):
+        view.apply_iter(batch(4, [2]), TS)
+
+
+def test_caps_on_jobs_and_nodes() -> None:
+    view = ClusterView(max_jobs=2, max_nodes=1)
+    view.apply_iter(batch(0, [1], job="a"), TS)
+    view.apply_iter(batch(0, [1], job="b"), TS)
+    with pytest.raises(ProtocolError) as err:
+        view.apply_iter(batch(0, [1], job="c"), TS)
+    assert err.value.reason == "limit"
+    view.apply_gpu(wire.NodeGpu(ts=TS, node="x"), TS)
+    with pytest.raises(ProtocolError):
+        view.apply_gpu(wire.NodeGpu(ts=TS, node="y"), TS)
+
+
+def test_forget_silent_and_snapshot() -> None:
+    view = ClusterView()
+    view.apply_iter(batch(0, [1]), TS)
+    view.apply_node_status(wire.NodeStatus(ts=TS, node="n0", state="online"), TS)
+    view.apply_xid(wire.XidEvent(ts=TS, node="n0", gpu=1, xid=79), TS)
+    view.apply_iter(batch(0, [1], job="fresh"), TS + 100)
+    snap = view.snapshot(TS + 100)
+    assert snap["totals"] == {"jobs": 2, "nodes": 1, "ranks": 2}
+    assert snap["nodes"][0]["last_xid"] == {"gpu": 1, "xid": 79, "ts": TS}
+    assert view.forget_silent(TS + 100, after_s=50) == (1, 1)
+    assert list(view.jobs) == ["fresh"] and view.total_ranks == 1
+
+
+def test_last_will_after_newer_status_is_applied_in_arrival_order() -> None:
+    view = ClusterView()
+    view.apply_node_status(wire.NodeStatus(ts=TS + 10, node="n", state="online"), TS + 10)
+    # A Last Will is composed at connect time, so its ts is older than what it replaces.
+    view.apply_node_status(wire.NodeStatus(ts=TS, node="n", state="offline"), TS + 20)
+    assert view.nodes["n"].state == "offline"
+
+
+def test_ring_boundary() -> None:
+    view = ClusterView(window_steps=8)
+    view.apply_iter(batch(0, [20]), TS)
+    assert view.apply_iter(batch(0, [13]), TS).accepted == 1  # 20 - 8 + 1: the oldest held
+    assert view.apply_iter(batch(0, [12]), TS).late == 1  # 20 - 8: just out
+    assert view.jobs["j"].ranks[0].recent("step_s", last=8) == [1.0, 1.0]
+
+
+def test_rollback_to_an_earlier_step_in_a_new_generation_restarts_the_ring() -> None:
+    view = ClusterView(window_steps=8)
+    view.apply_iter(batch(0, list(range(1, 101)), compute=0.5), TS)
+    rollback = wire.IterBatch(
+        ts=TS,
+        job="j",
+        rank=0,
+        node="n0",
+        generation=1,
+        steps=[wire.StepTiming(s, TS + s, 1.0, 0.9, 0.05, 0.03, 0.02) for s in range(50, 55)],
+    )
+    applied = view.apply_iter(rollback, TS)
+    rank = view.jobs["j"].ranks[0]
+    assert applied.accepted == 5 and rank.last_step == 54 and rank.generation == 1
+    assert rank.recent("compute_s") == pytest.approx([0.9] * 5)
+    # A late batch of the rolled-back generation neither rewinds the generation nor moves
+    # the ring past the new timeline; its steps below the new front are harmless.
+    stale = view.apply_iter(batch(0, [99, 53]), TS)
+    assert (stale.late, stale.duplicate) == (1, 1)
+    assert rank.generation == 1 and rank.last_step == 54
+
+
+def test_a_rejected_batch_takes_no_job_slot() -> None:
+    view = ClusterView(max_jobs=1, max_ranks_per_job=4)
+    with pytest.raises(ProtocolError):
+        view.apply_iter(batch(9, [1], job="bad"), TS)
+    view.apply_iter(batch(0, [1], job="good"), TS)
+    assert list(view.jobs) == ["good"]
+
+
+def test_cap_on_ranks_over_all_jobs() -> None:
+    view = ClusterView(max_ranks=2)
+    view.apply_iter(batch(0, [1], job="a"), TS)
+    view.apply_iter(batch(0, [1], job="b"), TS)
+    view.apply_iter(batch(0, [2], job="b"), TS)  # an existing rank still reports
+    with pytest.raises(ProtocolError) as err:
+        view.apply_iter(batch(1, [1], job="b"), TS)
+    assert err.value.reason == "limit"

@@ -1,0 +1,79 @@
+"""Guardrails around every policy: what may actually be executed.
+
+Applied by the actuator to each ``Migrate`` before it runs, whatever policy wanted
+it: at most ``max_concurrent_per_job`` migrations in flight per job; a cooldown per
+node; a cluster-wide rate limit per hour; planned migrations (every policy but
+failover) keep ``min_standby_pool`` ready standbys in the job, while failover may
+use the last one, since a dead machine is worse than an empty pool; and dry-run,
+which journals every decision and executes none. ``check`` is a pure function of
+the decision and the state it is given.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tmd.config import GuardrailsConfig
+from tmd.daemon import events
+
+URGENT_POLICIES = frozenset({"failover", "alert"})
+
+
+@dataclass
+class GuardState:
+    """What the actuator knows: migrations in flight and recently started."""
+
+    in_flight: dict[str, int] = field(default_factory=dict)  # job -> count
+    last_on_node: dict[str, float] = field(default_factory=dict)  # node -> start time
+    started: deque[float] = field(default_factory=deque)  # start times, last hour
+
+    def record_start(self, decision: events.Migrate, now: float) -> None:
+        self.in_flight[decision.job] = self.in_flight.get(decision.job, 0) + 1
+        self.last_on_node[decision.node] = now
+        self.started.append(now)
+
+    def record_end(self, job: str) -> None:
+        left = self.in_flight.get(job, 0) - 1
+        if left > 0:
+            self.in_flight[job] = left
+        else:
+            self.in_flight.pop(job, None)
+
+
+def check(
+    decision: events.Migrate,
+    *,
+    config: GuardrailsConfig,
+    state: GuardState,
+    ready_standbys: int,
+    now: float,
+) -> str | None:
+    """Why ``decision`` must not run now, or None if it may."""
+    while state.started and state.started[0] < now - 3600:
+        state.started.popleft()
+    if config.dry_run:
+        return "dry run: decisions are journaled, nothing is executed"
+    if state.in_flight.get(decision.job, 0) >= config.max_concurrent_per_job:
+        return (
+            f"job {decision.job} already has {state.in_flight[decision.job]} migration(s) "
+            f"in flight (guardrails.max_concurrent_per_job = "
+            f"{config.max_concurrent_per_job})"
+        )
+    last = state.last_on_node.get(decision.node)
+    if last is not None and now - last < config.node_cooldown_s:
+        return (
+            f"node {decision.node} was migrated {now - last:.0f} s ago "
+            f"(guardrails.node_cooldown_s = {config.node_cooldown_s:g})"
+        )
+    if len(state.started) >= config.max_per_hour:
+        return f"{len(state.started)} migrations in the last hour (guardrails.max_per_hour)"
+    if ready_standbys == 0:
+        return "no ready standby"
+    urgent = decision.policy in URGENT_POLICIES
+    if not urgent and ready_standbys <= config.min_standby_pool:
+        return (
+            f"{ready_standbys} ready standby(s) left and planned migrations keep "
+            f"{config.min_standby_pool} (guardrails.min_standby_pool)"
+        )
+    return None

@@ -1,0 +1,198 @@
+"""The daemon: builds every component from the config and supervises them under one
+``asyncio.TaskGroup``.
+
+Plug-ins restart themselves (``tmd.daemon.plugins.Runner``); the core (ingest loop,
+housekeeping, watchdog) does not: if it fails, the task group fails, the daemon
+exits non-zero and systemd restarts it. READY=1 goes to systemd only once the HTTP
+port is bound and the MQTT subscriptions are acknowledged; watchdog pings come from
+a task that also measures the event loop's lag, so a stalled loop stops the pings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any
+
+from tmd import detectors, log, policies, sdnotify
+from tmd.clock import Clock, SystemClock
+from tmd.config import Config
+from tmd.daemon import events, plugins, routes
+from tmd.daemon.actuator import Actuator
+from tmd.daemon.api import Api
+from tmd.daemon.bus import Bus
+from tmd.daemon.ingest import Ingest
+from tmd.daemon.journal import Journal
+from tmd.daemon.metrics import Metrics
+from tmd.daemon.view import ClusterView
+
+HOUSEKEEPING_INTERVAL_S = 60.0
+LAG_PROBE_INTERVAL_S = 1.0
+
+
+def plugin_specs(config: Config) -> list[plugins.Spec]:
+    """The enabled detectors and policies, built-in and from entry points, each table
+    checked against its plug-in's Config (a bad one raises ConfigError)."""
+    return [
+        *plugins.configure(
+            "detectors", config.detectors, plugins.available("detectors", detectors.BUILTIN)
+        ),
+        *plugins.configure(
+            "policies", config.policies, plugins.available("policies", policies.BUILTIN)
+        ),
+    ]
+
+
+class Daemon:
+    def __init__(self, config: Config, *, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or SystemClock()
+        self.metrics = Metrics()
+        self.log = log.get("daemon")
+        ing = config.ingest
+        self.view = ClusterView(
+            window_steps=ing.window_steps,
+            max_ranks_per_job=ing.max_ranks_per_job,
+            max_ranks=ing.max_ranks,
+            max_jobs=ing.max_jobs,
+            max_nodes=ing.max_nodes,
+        )
+        self.bus = Bus(on_drop=self._on_bus_drop)
+        self.specs = plugin_specs(config)
+        self.journal = Journal(config.journal.resolved_path())
+        self.ingest = Ingest(
+            mqtt=config.mqtt,
+            config=ing,
+            view=self.view,
+            bus=self.bus,
+            metrics=self.metrics,
+            clock=self.clock,
+        )
+        context = plugins.Context(view=self.view, clock=self.clock)
+        self.runners = [
+            plugins.Runner(s, context=context, bus=self.bus, metrics=self.metrics, emit=self.emit)
+            for s in self.specs
+        ]
+        self.api = Api(
+            config=config.api,
+            view=self.view,
+            journal=self.journal,
+            metrics=self.metrics,
+            clock=self.clock,
+            health=self.health,
+        )
+        self.actuator = Actuator(
+            config=config.actuator,
+            guard=config.guardrails,
+            view=self.view,
+            journal=self.journal,
+            emit=self.emit,
+            metrics=self.metrics,
+        )
+        for route in routes.routes(self.emit, now=self.clock.now):
+            self.api.add_route(route.method, route.path, route.handler)
+        self.ready = asyncio.Event()
+        self.loop_lag_s = 0.0
+
+    def emit(self, event: events.Event, source: str) -> None:
+        """A finding, decision or request: journal it, count it, log it, pass it on."""
+        kind = type(event).__name__
+        self.metrics.events.labels(kind=kind).inc()
+        try:
+            self.journal.record(event, source=source)
+        except sqlite3.Error as exc:
+            self.metrics.journal_errors.inc()
+            self.log.error("journal write failed", error=str(exc), kind=kind)
+        self.log.info(
+            _what(event),
+            kind=kind,
+            source=source,
+            **{k: v for k, v in _fields(event).items() if k != "ts"},
+        )
+        self.bus.publish(event)
+
+    def health(self) -> dict[str, Any]:
+        up = {r.spec.name: r.up for r in self.runners}
+        lag_ok = self.loop_lag_s < 5.0
+        return {
+            "ok": self.ingest.connected and lag_ok,
+            "mqtt": "connected" if self.ingest.connected else "disconnected",
+            "loop_lag_s": round(self.loop_lag_s, 4),
+            "plugins": up,
+        }
+
+    async def run(self) -> None:
+        try:
+            await self.api.start()
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.ingest.run(), name="ingest")
+                for runner in self.runners:
+                    tg.create_task(runner.run(), name=f"plugin:{runner.spec.name}")
+                tg.create_task(
+                    self.actuator.run(
+                        bus=self.bus,
+                        clock=self.clock,
+                        publish=self.ingest.publish,
+                        subscribed=self.ingest.subscribed,
+                    ),
+                    name="actuator",
+                )
+                tg.create_task(self._announce_ready(), name="ready")
+                tg.create_task(self._watchdog(), name="watchdog")
+                tg.create_task(self._housekeeping(), name="housekeeping")
+        finally:
+            sdnotify.stopping()
+            await self.api.stop()
+            self.journal.close()
+
+    async def _announce_ready(self) -> None:
+        sdnotify.notify("STATUS=connecting to the MQTT broker")
+        await self.ingest.subscribed.wait()
+        self.ready.set()
+        sdnotify.ready(f"serving on port {self.api.port}")
+        self.log.info("ready", api_port=self.api.port, plugins=[s.name for s in self.specs])
+
+    async def _watchdog(self) -> None:
+        interval = sdnotify.watchdog_interval()
+        probe = LAG_PROBE_INTERVAL_S
+        if interval is not None:
+            probe = min(probe, interval.total_seconds() / 4)
+        max_lag = interval.total_seconds() / 2 if interval is not None else float("inf")
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(probe)
+            self.loop_lag_s = max(0.0, loop.time() - start - probe)
+            self.metrics.loop_lag.set(self.loop_lag_s)
+            if interval is not None and self.loop_lag_s < max_lag:
+                sdnotify.watchdog_ping()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            now = self.clock.now()
+            jobs, nodes = self.view.forget_silent(now, self.config.ingest.forget_after_s)
+            if jobs or nodes:
+                self.log.info("forgot silent jobs and nodes", jobs=jobs, nodes=nodes)
+            try:
+                self.journal.prune(now - self.config.journal.retention_days * 86400)
+            except sqlite3.Error as exc:
+                self.metrics.journal_errors.inc()
+                self.log.error("journal prune failed", error=str(exc))
+
+    def _on_bus_drop(self, subscriber: str) -> None:
+        self.metrics.bus_dropped.labels(subscriber=subscriber).inc()
+
+
+def _what(event: events.Event) -> str:
+    if isinstance(event, events.Decision):
+        return "decision"
+    if isinstance(event, events.Request):
+        return "request"
+    if isinstance(event, events.MigrationFinished):
+        return "migration finished"
+    return "finding"
+
+
+def _fields(event: events.Event) -> dict[str, Any]:
+    return {f: getattr(event, f) for f in event.__struct_fields__}

@@ -1,0 +1,267 @@
+"""The journal: findings, decisions and migrations in SQLite (WAL), so ``tmd events``
+shows history and a restarted daemon knows which migrations were in flight.
+
+Writes are small and rare (findings and decisions, not telemetry), so they run on
+the event loop; WAL with ``synchronous=NORMAL`` commits without an fsync per write.
+A migration row moves through states; every transition is also an event row, so
+the history of a migration is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from tmd.daemon import events
+
+TERMINAL_STATES: Final = frozenset({"done", "aborted", "failed"})
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,
+    kind TEXT NOT NULL,
+    job TEXT NOT NULL DEFAULT '',
+    node TEXT NOT NULL DEFAULT '',
+    source TEXT NOT NULL DEFAULT '',
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_ts ON events (ts);
+CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
+CREATE TABLE IF NOT EXISTS migrations (
+    id TEXT PRIMARY KEY,
+    job TEXT NOT NULL,
+    leaver TEXT NOT NULL,
+    joiner TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    created_ts REAL NOT NULL,
+    updated_ts REAL NOT NULL,
+    detail TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS migrations_state ON migrations (state);
+CREATE TABLE IF NOT EXISTS memberships (
+    job TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    members TEXT NOT NULL
+);
+"""
+_SCHEMA_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    ts: float
+    kind: str
+    job: str
+    node: str
+    source: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MigrationRow:
+    id: str
+    job: str
+    leaver: str
+    joiner: str
+    state: str
+    reason: str
+    created_ts: float
+    updated_ts: float
+    detail: dict[str, Any]
+
+
+class Journal:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        try:
+            self._open(path)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open(self, path: str | Path) -> None:
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > _SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(
+                f"journal {path} has schema {version}, newer than this tmd ({_SCHEMA_VERSION})"
+            )
+        # executescript commits on its own; every statement in it is idempotent.
+        self._db.executescript(_SCHEMA + f"PRAGMA user_version={_SCHEMA_VERSION};")
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- events ------------------------------------------------------------------------
+
+    def record(self, event: events.Event, *, source: str = "") -> int:
+        """Append a finding or decision; returns its id."""
+        body = msgspec.json.encode(event).decode()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO events (ts, kind, job, node, source, body) VALUES (?,?,?,?,?,?)",
+                (
+                    event.ts,
+                    type(event).__name__,
+                    getattr(event, "job", "") or "",
+                    getattr(event, "node", "") or "",
+                    source,
+                    body,
+                ),
+            )
+            return int(cur.lastrowid or 0)
+
+    def events(
+        self,
+        *,
+        after_id: int = 0,
+        limit: int = 100,
+        job: str | None = None,
+        kind: str | None = None,
+        newest_first: bool = False,
+    ) -> list[EventRow]:
+        sql = "SELECT id, ts, kind, job, node, source, body FROM events WHERE id > ?"
+        args: list[Any] = [after_id]
+        if job:
+            sql += " AND job = ?"
+            args.append(job)
+        if kind:
+            sql += " AND kind = ?"
+            args.append(kind)
+        sql += f" ORDER BY id {'DESC' if newest_first else 'ASC'} LIMIT ?"
+        args.append(max(1, min(limit, 10_000)))
+        return [
+            EventRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]))
+            for r in self._db.execute(sql, args)
+        ]
+
+    def prune(self, before_ts: float) -> int:
+        with self._tx() as db:
+            return db.execute("DELETE FROM events WHERE ts < ?", (before_ts,)).rowcount
+
+    # -- migrations --------------------------------------------------------------------
+
+    def begin_migration(
+        self, *, id: str, job: str, leaver: str, joiner: str, reason: str, ts: float
+    ) -> bool:
+        """Record a new migration in state ``planned``; False if ``id`` exists (idempotent)."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO migrations"
+                " (id, job, leaver, joiner, state, reason, created_ts, updated_ts)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (id, job, leaver, joiner, "planned", reason, ts, ts),
+            )
+            if cur.rowcount:
+                self._transition_event(db, id, job, leaver, "planned", ts, {"reason": reason})
+            return bool(cur.rowcount)
+
+    def set_migration_state(
+        self, id: str, state: str, *, ts: float, detail: dict[str, Any] | None = None
+    ) -> None:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT job, leaver, state FROM migrations WHERE id = ?", (id,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(f"no migration {id!r} in the journal")
+            if row[2] in TERMINAL_STATES:
+                raise ValueError(f"migration {id} is already {row[2]}")
+            db.execute(
+                "UPDATE migrations SET state = ?, updated_ts = ?,"
+                " detail = json_patch(detail, ?) WHERE id = ?",
+                (state, ts, json.dumps(detail or {}), id),
+            )
+            self._transition_event(db, id, row[0], row[1], state, ts, detail or {})
+
+    def migration(self, id: str) -> MigrationRow | None:
+        rows = self._migrations("WHERE id = ?", (id,))
+        return rows[0] if rows else None
+
+    def in_flight(self) -> list[MigrationRow]:
+        """Migrations not yet done, aborted or failed: what a restarted daemon resumes."""
+        marks = ",".join("?" * len(TERMINAL_STATES))
+        return self._migrations(
+            f"WHERE state NOT IN ({marks}) ORDER BY created_ts", tuple(sorted(TERMINAL_STATES))
+        )
+
+    def latest_migrations(self, limit: int = 10) -> list[MigrationRow]:
+        """The newest migrations, newest first (``tmd status``)."""
+        return self._migrations("ORDER BY created_ts DESC LIMIT ?", (max(1, limit),))
+
+    # -- memberships -------------------------------------------------------------------
+
+    def save_membership(
+        self, job: str, *, generation: int, step: int, ts: float, members: dict[int, str]
+    ) -> None:
+        """The last membership the actuator saw of ``job``: after a restart it tells
+        what changed while the daemon was down."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members)"
+                " VALUES (?,?,?,?,?)",
+                (job, generation, step, ts, json.dumps(sorted(members.items()))),
+            )
+
+    def memberships(self) -> dict[str, tuple[int, int, float, dict[int, str]]]:
+        """job -> (generation, step, ts, rank -> node)."""
+        rows = self._db.execute("SELECT job, generation, step, ts, members FROM memberships")
+        return {r[0]: (r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])}) for r in rows}
+
+    def recent_migrations(self, since_ts: float) -> list[MigrationRow]:
+        """Migrations created at or after ``since_ts``, oldest first (rate limits and
+        cooldowns survive a restart)."""
+        return self._migrations("WHERE created_ts >= ? ORDER BY created_ts", (since_ts,))
+
+    def _migrations(self, where: str, args: tuple[Any, ...]) -> list[MigrationRow]:
+        sql = (
+            "SELECT id, job, leaver, joiner, state, reason, created_ts, updated_ts, detail"
+            f" FROM migrations {where}"
+        )
+        return [
+            MigrationRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]))
+            for r in self._db.execute(sql, args)
+        ]
+
+    @staticmethod
+    def _transition_event(
+        db: sqlite3.Connection,
+        id: str,
+        job: str,
+        leaver: str,
+        state: str,
+        ts: float,
+        detail: dict[str, Any],
+    ) -> None:
+        body = json.dumps({"migration_id": id, "state": state, **detail})
+        db.execute(
+            "INSERT INTO events (ts, kind, job, node, source, body) VALUES (?,?,?,?,?,?)",
+            (ts, "MigrationState", job, leaver, "actuator", body),
+        )

@@ -1,0 +1,241 @@
+"""``tmd bench ingest``: how much rank telemetry one daemon takes in, and how fast.
+
+Starts its own mosquitto (or uses ``--broker``), runs the real daemon (ingest, view,
+bus, plug-ins, API) in this process, and a synthetic publisher in another: N ranks at
+one step per second each, batched as the runtime sends them, plus one GPU sample per
+second from each of N/8 nodes. Prints one JSON object.
+
+``loss`` is the fraction of published rank-steps missing from the view at the end;
+latency is publish (the message's ``ts``) to applied in the view, same host clock.
+The baseline is aiomqtt's stock message iterator feeding the same handler, measured
+in the same run at the same load: ``cpu_ratio_vs_iterator`` is our CPU per message
+over its CPU per message (lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from array import array
+from contextlib import ExitStack, suppress
+from typing import Any
+
+from tmd import config as config_mod
+from tmd import wire
+from tmd.daemon.daemon import Daemon
+from tmd.tools import synth
+from tmd.tools.mosquitto import Mosquitto
+
+
+def _percentile(values: array[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _rss_mb() -> float:
+    """Resident memory now (ru_maxrss would be the peak of every run in this process)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def _measure(
+    *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
+        cfg = config_mod.from_dict(
+            {
+                "mqtt": {"host": host, "port": port},
+                "api": {"port": 0},
+                "journal": {"path": f"{state}/journal.sqlite3"},
+                "ingest": {
+                    "max_nodes": max(65536, ranks),
+                    "max_ranks": max(1 << 17, ranks),
+                    "max_ranks_per_job": max(1 << 17, ranks),
+                    "reject_log_interval_s": 5.0,
+                },
+            }
+        )
+        daemon = Daemon(cfg)
+        latencies: array[float] = array("d")
+
+        def record(batch: wire.IterBatch, now: float) -> None:
+            latencies.append(now - batch.ts)
+
+        daemon.ingest.on_iter = record
+        if stock_iterator:
+            daemon.ingest.use_stock_iterator = True
+        task = asyncio.create_task(daemon.run())
+        await asyncio.wait_for(daemon.ready.wait(), 30)
+        spec = synth.SynthSpec(
+            host=host, port=port, job="bench", ranks=ranks, seconds=seconds, flush_s=flush_s, seed=1
+        )
+        rss_before = _rss_mb()
+        cpu0, wall0 = _cpu_s(), time.monotonic()
+        proc, results = synth.start(spec)
+        result: synth.SynthResult | None = None
+        while result is None:
+            await asyncio.sleep(0.2)
+            if not results.empty():
+                result = results.get()
+            elif not proc.is_alive() and results.empty():
+                raise RuntimeError(f"publisher exited with {proc.exitcode}")
+        # Drain: wait until the view stops growing.
+        view_steps = -1
+        for _ in range(100):
+            await asyncio.sleep(0.2)
+            now_steps = daemon.view.total_steps()
+            if now_steps == view_steps and now_steps >= result.rank_steps:
+                break
+            view_steps = now_steps
+        cpu_s = _cpu_s() - cpu0
+        wall_s = time.monotonic() - wall0
+        proc.join(5)
+        in_view = daemon.view.total_steps()
+        rss_after = _rss_mb()
+        sample = daemon.metrics.registry.get_sample_value
+        rejected = sum(
+            sample("tmd_messages_rejected_total", {"reason": r}) or 0.0
+            for r in daemon.metrics.rejected_by
+        )
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        messages = result.messages
+        return {
+            "ranks": ranks,
+            "nodes": len(daemon.view.nodes),
+            "seconds": seconds,
+            "flush_s": flush_s,
+            "published_rank_steps": result.rank_steps,
+            "rank_steps_in_view": in_view,
+            "rank_steps_per_s": round(result.rank_steps / result.elapsed_s, 1),
+            "messages_per_s": round(messages / result.elapsed_s, 1),
+            "loss": round(max(0, result.rank_steps - in_view) / max(1, result.rank_steps), 6),
+            "rejected": rejected,
+            "p50_latency_s": _round(_percentile(latencies, 0.50)),
+            "p99_latency_s": _round(_percentile(latencies, 0.99)),
+            "max_latency_s": _round(max(latencies) if latencies else None),
+            "publisher_max_behind_s": round(result.max_behind_s, 3),
+            "rss_mb": round(rss_after, 1),
+            "rss_before_mb": round(rss_before, 1),
+            "cpu_s": round(cpu_s, 2),
+            "cpu_fraction": round(cpu_s / wall_s, 3),
+            "cpu_us_per_message": round(cpu_s / max(1, messages) * 1e6, 2),
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def holds(r: dict[str, Any]) -> bool:
+    """The target: nothing lost, p99 under a second."""
+    p99 = r["p99_latency_s"]
+    return r["loss"] == 0 and p99 is not None and p99 < 1.0
+
+
+def _search(host: str, port: int, start: int, start_holds: bool, flush_s: float) -> dict[str, Any]:
+    """Double N from ``start`` until the target fails, then bisect to within 1/8."""
+    tried: list[dict[str, Any]] = []
+
+    def holds_at(n: int) -> bool:
+        r = asyncio.run(
+            _measure(
+                host=host, port=port, ranks=n, seconds=10.0, flush_s=flush_s, stock_iterator=False
+            )
+        )
+        keys = ("ranks", "loss", "p99_latency_s", "rss_mb", "messages_per_s", "cpu_fraction")
+        tried.append({k: r[k] for k in keys})
+        return holds(r)
+
+    lo, hi = (start, None) if start_holds else (0, start)
+    while hi is None and lo < (1 << 20):
+        if holds_at(lo * 2):
+            lo *= 2
+        else:
+            hi = lo * 2
+    while hi is not None and lo and hi - lo > lo // 8:
+        mid = (lo + hi) // 2
+        if holds_at(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"search": tried, "largest_ranks_holding": lo, "smallest_ranks_failing": hi}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="tmd bench ingest",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--ranks", type=int, default=16384)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument(
+        "--flush-s",
+        type=float,
+        default=1.0,
+        help="seconds between a rank's telemetry batches (runtime default: 1)",
+    )
+    p.add_argument("--broker", default="", help="host:port of an existing broker")
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip the stock-iterator baseline run"
+    )
+    p.add_argument(
+        "--search-max",
+        action="store_true",
+        help="also double N from --ranks until the target fails (10 s runs)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
+    args = p.parse_args(argv)
+    with ExitStack() as stack:
+        if args.broker:
+            host, _, port_text = args.broker.rpartition(":")
+            host, port = host or "127.0.0.1", int(port_text)
+        else:
+            broker = stack.enter_context(Mosquitto())
+            host, port = broker.host, broker.port
+        out = asyncio.run(
+            _measure(
+                host=host,
+                port=port,
+                ranks=args.ranks,
+                seconds=args.seconds,
+                flush_s=args.flush_s,
+                stock_iterator=False,
+            )
+        )
+        out["holds_target"] = holds(out)
+        if not args.no_baseline:
+            base = asyncio.run(
+                _measure(
+                    host=host,
+                    port=port,
+                    ranks=args.ranks,
+                    seconds=min(args.seconds, 15.0),
+                    flush_s=args.flush_s,
+                    stock_iterator=True,
+                )
+            )
+            out["baseline_stock_iterator"] = base
+            out["cpu_ratio_vs_iterator"] = round(
+                out["cpu_us_per_message"] / max(1e-9, base["cpu_us_per_message"]), 3
+            )
+        if args.search_max:
+            out.update(_search(host, port, args.ranks, out["holds_target"], args.flush_s))
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
