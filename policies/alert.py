@@ -15,7 +15,7 @@ from typing import Any
 
 from tmd.daemon import events
 from tmd.plugins import Context
-from tmd.policies.base import Policy, jobs_on, ready_standbys
+from tmd.policies.base import Policy, jobs_on
 
 MAX_REMEMBERED = 10_000
 
@@ -73,7 +73,7 @@ class AlertPolicy(Policy):
                 ts=now, policy=self.name, node=node, reason=f"{why}: no job runs on {node}"
             )
         for j in jobs:
-            if ready_standbys(self.context.view, j):
+            if self.context.view.ready_standbys(j, leaver=node):
                 yield events.Migrate(ts=now, policy=self.name, job=j, node=node, reason=why)
             else:
                 yield events.CheckpointRestart(

@@ -1,4 +1,8 @@
-"""The policy interface, and what every policy asks of the cluster view."""
+"""The policy interface, and what every policy asks of the cluster view.
+
+Whether a job has a standby to migrate to is ``ClusterView.ready_standbys``: the same
+answer the actuator acts on, so a policy does not decide a migration that the actuator
+then holds for want of a standby."""
 
 from __future__ import annotations
 
@@ -16,16 +20,3 @@ class Policy(Plugin):
 def jobs_on(view: ClusterView, node: str) -> list[str]:
     """Jobs that have ``node`` among their members, by the jobs' own status."""
     return sorted(name for name, job in view.jobs.items() if node in job.members.values())
-
-
-def ready_standbys(view: ClusterView, job: str) -> list[str]:
-    """The job's standbys that reported ready and whose node is not known to be down."""
-    j = view.jobs.get(job)
-    if j is None:
-        return []
-    out = []
-    for name, standby in sorted(j.standbys.items()):
-        node = view.nodes.get(name)
-        if standby.state == "ready" and (node is None or node.state != "offline"):
-            out.append(name)
-    return out

@@ -16,7 +16,7 @@ from typing import Any
 from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
-from tmd.policies.base import Policy, jobs_on, ready_standbys
+from tmd.policies.base import Policy, jobs_on
 
 TRIGGERS: dict[str, type[events.Finding]] = {
     "GpuFault": events.GpuFault,
@@ -78,7 +78,7 @@ class FailoverPolicy(Policy):
             if (job, finding.node) in self._handled:
                 continue
             self._handled.add((job, finding.node))
-            if ready_standbys(view, job):
+            if view.ready_standbys(job, leaver=finding.node):
                 yield events.Migrate(
                     ts=now, policy=self.name, job=job, node=finding.node, reason=why
                 )

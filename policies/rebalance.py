@@ -22,7 +22,7 @@ from typing import Any
 from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
-from tmd.policies.base import Policy, ready_standbys
+from tmd.policies.base import Policy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +108,7 @@ class RebalancePolicy(Policy):
             yield events.Hold(
                 ts=now, policy=self.name, job=job, node=node, reason=f"not worth it: {numbers}"
             )
-        elif not ready_standbys(self.context.view, job):
+        elif not self.context.view.ready_standbys(job, leaver=node):
             yield events.Hold(
                 ts=now, policy=self.name, job=job, node=node, reason=f"no ready standby: {numbers}"
             )

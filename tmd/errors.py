@@ -69,3 +69,9 @@ class PublishError(TmdError):
 class JournalError(TmdError):
     """The journal (SQLite) could not be read or written; ``sqlite3`` errors are
     translated into this at the journal's edge."""
+
+
+class AlreadyFinished(TmdError):
+    """A migration's state was set after it had ended (done, aborted or failed): each
+    migration ends, and is reported, once. A logic error of the caller, not a failure
+    of the disk, so it is no ``JournalError``."""

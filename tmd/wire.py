@@ -11,6 +11,7 @@ names are single topic segments.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -160,6 +161,13 @@ class JobStatus(Message, kw_only=True, frozen=True):
     standbys: Annotated[list[StandbyInfo], msgspec.Meta(max_length=4096)] = []
     state: Literal["running", "migrating", "stopped"] = "running"
     step: Step = 0
+
+
+def ready_standbys(standbys: Iterable[StandbyInfo], members: Collection[str]) -> list[str]:
+    """The standbys, by name, that said they are ready and are not yet members: what
+    a job's own status offers. The daemon adds what only it knows, the health and GPU
+    model of their nodes (``ClusterView.ready_standbys``)."""
+    return sorted(s.node for s in standbys if s.state == "ready" and s.node not in members)
 
 
 # -- job control: daemon -> runtime, and acks back -------------------------------------

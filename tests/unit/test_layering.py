@@ -34,7 +34,9 @@ def tmd_imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            found.add(f"tmd.<relative import at line {node.lineno}>")  # never allowed
+        elif isinstance(node, ast.ImportFrom) and node.module:
             found.update(f"{node.module}.{a.name}" for a in node.names)
     return {name for name in found if name == "tmd" or name.startswith("tmd.")}
 

@@ -11,7 +11,6 @@ a task that also measures the event loop's lag, so a stalled loop stops the ping
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from typing import Any
 
 from tmd import detectors, log, policies, sdnotify
@@ -25,6 +24,7 @@ from tmd.daemon.ingest import Ingest
 from tmd.daemon.journal import Journal
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
+from tmd.errors import JournalError
 
 HOUSEKEEPING_INTERVAL_S = 60.0
 LAG_PROBE_INTERVAL_S = 1.0
@@ -56,6 +56,7 @@ class Daemon:
             max_ranks=ing.max_ranks,
             max_jobs=ing.max_jobs,
             max_nodes=ing.max_nodes,
+            same_gpu_model=config.actuator.same_gpu_type,
         )
         self.bus = Bus(on_drop=self._on_bus_drop)
         self.specs = plugin_specs(config)
@@ -97,10 +98,14 @@ class Daemon:
     def emit(self, event: events.Event, source: str) -> None:
         """A finding, decision or request: journal it, count it, log it, pass it on."""
         kind = type(event).__name__
+        if isinstance(event, (events.GpuFault, events.NodeLost)):
+            # Before anyone hears of it: the policies and the actuator both ask the
+            # view for ready standbys, and neither may offer this node.
+            self.view.note_fault(event.node, self.clock.now())
         self.metrics.events.labels(kind=kind).inc()
         try:
             self.journal.record(event, source=source)
-        except sqlite3.Error as exc:
+        except JournalError as exc:
             self.metrics.journal_errors.inc()
             self.log.error("journal write failed", error=str(exc), kind=kind)
         self.log.info(
@@ -176,7 +181,7 @@ class Daemon:
                 self.log.info("forgot silent jobs and nodes", jobs=jobs, nodes=nodes)
             try:
                 self.journal.prune(now - self.config.journal.retention_days * 86400)
-            except sqlite3.Error as exc:
+            except JournalError as exc:
                 self.metrics.journal_errors.inc()
                 self.log.error("journal prune failed", error=str(exc))
 

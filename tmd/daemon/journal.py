@@ -5,6 +5,10 @@ Writes are small and rare (findings and decisions, not telemetry), so they run o
 the event loop; WAL with ``synchronous=NORMAL`` commits without an fsync per write.
 A migration row moves through states; every transition is also an event row, so
 the history of a migration is never overwritten.
+
+``sqlite3`` stays inside: its errors come out as ``JournalError``, and setting the
+state of a migration that already ended as ``AlreadyFinished``, so callers handle
+errors of ours, not the driver's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Final
 import msgspec
 
 from tmd.daemon import events
+from tmd.errors import AlreadyFinished, JournalError
 
 TERMINAL_STATES: Final = frozenset({"done", "aborted", "failed"})
 
@@ -82,17 +87,29 @@ class MigrationRow:
     detail: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Membership:
+    """A job's membership as one of its statuses said it: what the actuator compares
+    the next status with (``tmd.daemon.actuator.membership``)."""
+
+    generation: int
+    step: int
+    ts: float  # the status's own time
+    members: dict[int, str]  # rank -> node
+
+
 class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        try:
-            self._open(path)
-        except BaseException:
-            self._db.close()
-            raise
+        with self._translated():
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            try:
+                self._open(path)
+            except BaseException:
+                self._db.close()
+                raise
 
     def _open(self, path: str | Path) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -100,24 +117,37 @@ class Journal:
         self._db.execute("PRAGMA busy_timeout=5000")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > _SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(
+            raise JournalError(
                 f"journal {path} has schema {version}, newer than this tmd ({_SCHEMA_VERSION})"
             )
         # executescript commits on its own; every statement in it is idempotent.
         self._db.executescript(_SCHEMA + f"PRAGMA user_version={_SCHEMA_VERSION};")
 
     def close(self) -> None:
-        self._db.close()
+        with self._translated():
+            self._db.close()
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise JournalError(f"journal {self.path}: {exc}") from exc
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._translated():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: Any = ()) -> list[Any]:
+        with self._translated():
+            return self._db.execute(sql, args).fetchall()
 
     # -- events ------------------------------------------------------------------------
 
@@ -159,7 +189,7 @@ class Journal:
         args.append(max(1, min(limit, 10_000)))
         return [
             EventRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]))
-            for r in self._db.execute(sql, args)
+            for r in self._query(sql, args)
         ]
 
     def prune(self, before_ts: float) -> int:
@@ -186,6 +216,8 @@ class Journal:
     def set_migration_state(
         self, id: str, state: str, *, ts: float, detail: dict[str, Any] | None = None
     ) -> None:
+        """Move a migration to ``state``; ``AlreadyFinished`` if it has ended, KeyError
+        if there is no such migration."""
         with self._tx() as db:
             row = db.execute(
                 "SELECT job, leaver, state FROM migrations WHERE id = ?", (id,)
@@ -193,7 +225,7 @@ class Journal:
             if row is None:
                 raise KeyError(f"no migration {id!r} in the journal")
             if row[2] in TERMINAL_STATES:
-                raise ValueError(f"migration {id} is already {row[2]}")
+                raise AlreadyFinished(f"migration {id} is already {row[2]}")
             db.execute(
                 "UPDATE migrations SET state = ?, updated_ts = ?,"
                 " detail = json_patch(detail, ?) WHERE id = ?",
@@ -218,22 +250,24 @@ class Journal:
 
     # -- memberships -------------------------------------------------------------------
 
-    def save_membership(
-        self, job: str, *, generation: int, step: int, ts: float, members: dict[int, str]
-    ) -> None:
+    def save_membership(self, job: str, membership: Membership) -> None:
         """The last membership the actuator saw of ``job``: after a restart it tells
         what changed while the daemon was down."""
+        m = membership
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members)"
                 " VALUES (?,?,?,?,?)",
-                (job, generation, step, ts, json.dumps(sorted(members.items()))),
+                (job, m.generation, m.step, m.ts, json.dumps(sorted(m.members.items()))),
             )
 
-    def memberships(self) -> dict[str, tuple[int, int, float, dict[int, str]]]:
-        """job -> (generation, step, ts, rank -> node)."""
-        rows = self._db.execute("SELECT job, generation, step, ts, members FROM memberships")
-        return {r[0]: (r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])}) for r in rows}
+    def memberships(self) -> dict[str, Membership]:
+        """The last membership saved of each job."""
+        rows = self._query("SELECT job, generation, step, ts, members FROM memberships")
+        return {
+            r[0]: Membership(r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])})
+            for r in rows
+        }
 
     def recent_migrations(self, since_ts: float) -> list[MigrationRow]:
         """Migrations created at or after ``since_ts``, oldest first (rate limits and
@@ -247,7 +281,7 @@ class Journal:
         )
         return [
             MigrationRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]))
-            for r in self._db.execute(sql, args)
+            for r in self._query(sql, args)
         ]
 
     @staticmethod

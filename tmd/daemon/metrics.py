@@ -144,6 +144,12 @@ class Metrics:
         self.migrations_in_flight = Gauge(
             "tmd_migrations_in_flight", "Migrations the actuator is driving", registry=r
         )
+        self.actuator_errors = Counter(
+            "tmd_actuator_errors_total",
+            "Unexpected errors in the actuator (it carries on), by what it was doing",
+            ["during"],
+            registry=r,
+        )
         self.migration_downtime = Histogram(
             "tmd_migration_downtime_seconds",
             "Downtime of finished migrations, as the runtime measured it",

@@ -6,6 +6,10 @@ are capped. Each message costs O(its own size), independent of how many ranks ex
 Step reports may arrive twice, late or out of order: a step lands in the ring slot
 ``step % window``, a slot already holding that step is a duplicate, and a step older
 than the ring is too late to matter and is dropped.
+
+The view also holds the one definition of a ready standby (``ready_standbys``), which
+the policies, the actuator's standby choice and its guardrails share, so a policy
+does not decide a migration that the actuator then holds for want of a standby.
 """
 
 from __future__ import annotations
@@ -150,15 +154,20 @@ class ClusterView:
         max_ranks: int = 1 << 17,
         max_jobs: int = 1024,
         max_nodes: int = 65536,
+        same_gpu_model: bool = True,
     ) -> None:
         self.window_steps = window_steps
         self.max_ranks_per_job = max_ranks_per_job
         self.max_ranks = max_ranks
         self.max_jobs = max_jobs
         self.max_nodes = max_nodes
+        # A standby must carry the GPU model of the machine it replaces (when both
+        # agents reported one): ``actuator.same_gpu_type``.
+        self.same_gpu_model = same_gpu_model
         self.jobs: dict[str, JobView] = {}
         self.nodes: dict[str, NodeView] = {}
         self.total_ranks = 0
+        self._faults: dict[str, float] = {}  # node -> when a GpuFault or NodeLost came
 
     # -- apply: one per wire type, each O(size of the message) ---------------------------
 
@@ -252,6 +261,56 @@ class ClusterView:
             node = self.nodes[name] = NodeView(name)
         node.last_seen = now
         return node
+
+    # -- standbys: who may take a machine's place -----------------------------------------
+
+    def note_fault(self, node: str, ts: float) -> None:
+        """A GpuFault or NodeLost on ``node`` at ``ts`` (daemon time): no standby to
+        move work onto until it proves itself again."""
+        self._faults.pop(node, None)
+        self._faults[node] = ts
+        while len(self._faults) > self.max_nodes:  # the oldest first
+            del self._faults[next(iter(self._faults))]
+
+    def healthy(self, node: str) -> bool:
+        """No GpuFault or NodeLost on ``node`` since its agent last reported."""
+        since = self._faults.get(node)
+        if since is None:
+            return True
+        # A lost node is back once its agent reported after the loss; a GPU fault
+        # keeps the node out until its agent restarts (a repaired node's agent does).
+        seen = self.nodes.get(node)
+        if seen is not None and seen.state == "online" and seen.status_ts > since:
+            del self._faults[node]
+            return True
+        return False
+
+    def gpu_model(self, node: str) -> str:
+        """The model of the node's first GPU, as its agent reported it ("" if not)."""
+        seen = self.nodes.get(node)
+        return seen.gpus[0].name if seen is not None and seen.gpus else ""
+
+    def ready_standbys(self, job: str, *, leaver: str | None = None) -> list[str]:
+        """The job's standbys that may take a machine's place now, by name: ready and
+        not a member by the job's own status (``wire.ready_standbys``), their node not
+        known to be offline and ``healthy``, and, given the ``leaver`` they would
+        replace, of its GPU model when both agents reported one (``same_gpu_model``)."""
+        j = self.jobs.get(job)
+        if j is None:
+            return []
+        want = self.gpu_model(leaver) if leaver is not None and self.same_gpu_model else ""
+        out = []
+        for name in wire.ready_standbys(j.standbys.values(), set(j.members.values())):
+            node = self.nodes.get(name)
+            if node is not None and node.state == "offline":
+                continue
+            if not self.healthy(name):
+                continue
+            have = self.gpu_model(name)
+            if want and have and want != have:
+                continue
+            out.append(name)
+        return out
 
     # -- housekeeping and reading --------------------------------------------------------
 

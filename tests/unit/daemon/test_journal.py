@@ -3,12 +3,14 @@ survive a restart (reopen), so in-flight ones are known."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from tmd.daemon import events
 from tmd.daemon.journal import Journal
+from tmd.errors import AlreadyFinished, JournalError
 
 TS = 1_800_000_000.0
 
@@ -45,9 +47,26 @@ def test_migrations_survive_restart(tmp_path: Path) -> None:
     j = Journal(path)  # the daemon restarted
     flight = j.in_flight()
     assert [(m.id, m.state, m.detail) for m in flight] == [("m1", "prepared", {"warm": True})]
-    with pytest.raises(ValueError, match="already done"):
+    with pytest.raises(AlreadyFinished, match="already done"):
         j.set_migration_state("m2", "switching", ts=TS + 4)
     with pytest.raises(KeyError):
         j.set_migration_state("nope", "done", ts=TS)
     history = [(r.body["migration_id"], r.body["state"]) for r in j.events(kind="MigrationState")]
     assert history == [("m1", "planned"), ("m1", "prepared"), ("m2", "planned"), ("m2", "done")]
+
+
+def test_sqlite_errors_come_out_as_journal_errors(tmp_path: Path) -> None:
+    newer = tmp_path / "newer.sqlite3"
+    sqlite3.connect(newer).execute("PRAGMA user_version = 99").connection.close()
+    with pytest.raises(JournalError, match="newer than this tmd"):
+        Journal(newer)
+    garbage = tmp_path / "garbage.sqlite3"
+    garbage.write_bytes(b"not a database" * 100)
+    with pytest.raises(JournalError, match=r"garbage\.sqlite3"):
+        Journal(garbage)
+    j = Journal(tmp_path / "j.sqlite3")
+    j.close()
+    with pytest.raises(JournalError):
+        j.record(events.NodeLost(ts=TS, node="n1", cause="heartbeat"))
+    with pytest.raises(JournalError):
+        j.in_flight()

@@ -149,3 +149,68 @@ def test_cap_on_ranks_over_all_jobs() -> None:
     with pytest.raises(ProtocolError) as err:
         view.apply_iter(batch(1, [1], job="b"), TS)
     assert err.value.reason == "limit"
+
+
+# -- ready standbys: the one definition policies, actuator and guardrails share ---------
+
+
+def standby_view(standbys: dict[str, str], *, same_gpu_model: bool = True) -> ClusterView:
+    view = ClusterView(same_gpu_model=same_gpu_model)
+    view.apply_job_status(
+        wire.JobStatus(
+            ts=TS,
+            job="j",
+            generation=1,
+            world_size=2,
+            members=[wire.Member(0, "w0"), wire.Member(1, "w1")],
+            standbys=[
+                wire.StandbyInfo(node=n, state=s)  # type: ignore[arg-type]
+                for n, s in standbys.items()
+            ],
+        ),
+        TS,
+    )
+    return view
+
+
+def node(name: str, *, ts: float = TS, state: str = "online", gpu: str = "") -> wire.NodeStatus:
+    gpus = [wire.GpuInfo(index=0, name=gpu)] if gpu else []
+    return wire.NodeStatus(ts=ts, node=name, state=state, gpus=gpus)  # type: ignore[arg-type]
+
+
+def test_a_ready_standby_is_ready_by_its_job_and_not_already_a_member() -> None:
+    view = standby_view(
+        {"s3": "ready", "s0": "ready", "s1": "warming", "s2": "failed", "w1": "ready"}
+    )
+    assert view.ready_standbys("j") == ["s0", "s3"]
+    assert view.ready_standbys("nope") == []
+    assert wire.ready_standbys(view.jobs["j"].standbys.values(), {"s3"}) == ["s0", "w1"]
+
+
+def test_a_standby_on_an_offline_node_is_not_ready() -> None:
+    view = standby_view({"s0": "ready", "s1": "ready"})
+    view.apply_node_status(node("s0", state="offline"), TS)
+    assert view.ready_standbys("j") == ["s1"]
+
+
+def test_a_faulty_standby_is_out_until_its_agent_reports_after_the_fault() -> None:
+    view = standby_view({"s0": "ready", "s1": "ready"})
+    view.apply_node_status(node("s0"), TS)
+    view.note_fault("s0", TS + 5)  # a GpuFault
+    view.note_fault("s1", TS + 5)  # a NodeLost, its node never reported
+    assert view.ready_standbys("j") == [] and not view.healthy("s0")
+    view.apply_node_status(node("s0", ts=TS + 4), TS + 6)  # from before the fault
+    assert view.ready_standbys("j") == []
+    view.apply_node_status(node("s0", ts=TS + 7), TS + 7)  # its agent restarted
+    assert view.ready_standbys("j") == ["s0"] and view.healthy("s0")
+
+
+def test_a_standby_must_carry_the_leavers_gpu_model_when_both_are_known() -> None:
+    for same in (True, False):
+        view = standby_view({"s0": "ready", "s1": "ready", "s2": "ready"}, same_gpu_model=same)
+        for name, gpu in [("w0", "H100"), ("s0", "A100"), ("s1", "H100")]:  # s2: unknown
+            view.apply_node_status(node(name, gpu=gpu), TS)
+        assert view.ready_standbys("j") == ["s0", "s1", "s2"]  # no leaver, no model to match
+        want = ["s1", "s2"] if same else ["s0", "s1", "s2"]
+        assert view.ready_standbys("j", leaver="w0") == want
+        assert view.ready_standbys("j", leaver="w1") == ["s0", "s1", "s2"]  # w1's unknown

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tmd import wire
 from tmd.clock import SystemClock
+from tmd.config import ActuatorConfig, GuardrailsConfig
 from tmd.daemon import events
+from tmd.daemon.actuator import Actuator
+from tmd.daemon.journal import Journal
 from tmd.daemon.plugins import Context
 from tmd.daemon.view import ClusterView
 from tmd.errors import ConfigError
@@ -86,6 +90,41 @@ def test_failover_without_a_ready_standby_is_a_checkpoint_restart(
     out = list(p.observe(events.NodeLost(ts=T0, node="n0", cause="last_will"), T0))
     assert decided(out) == [("CheckpointRestart", "a", "n0")]
     assert "no ready standby" in out[0].reason  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("unfit", ["gpu fault", "lost", "a member", "another gpu model"])
+def test_no_migration_the_actuator_would_hold_for_want_of_a_healthy_standby(
+    tmp_path: Path, unfit: str
+) -> None:
+    """The policies and the actuator ask the view the same question: a standby that is
+    ready by its job's status but that the actuator would not take is no standby."""
+    standby = "n1" if unfit == "a member" else "s0"  # n1 already runs in job a
+    v = view({standby: "ready"})
+    held: list[events.Event] = []
+    actuator = Actuator(
+        config=ActuatorConfig(), guard=GuardrailsConfig(min_standby_pool=0), view=v,
+        journal=Journal(tmp_path / "j.sqlite3"), emit=lambda e, _source: held.append(e),
+    )  # fmt: skip
+    if unfit in ("gpu fault", "lost"):
+        v.note_fault("s0", T0)  # as the daemon does when it emits the finding
+    elif unfit == "another gpu model":
+        for name, gpu in (("n0", "H100"), ("s0", "A100")):
+            gpus = [wire.GpuInfo(index=0, name=gpu)]
+            v.apply_node_status(wire.NodeStatus(ts=T0, node=name, state="online", gpus=gpus), T0)
+    migrate = events.Migrate(ts=T0, policy="failover", job="a", node="n0", reason="test")
+    assert actuator.on_event(migrate, T0 + 1) == []
+    [hold] = held
+    assert isinstance(hold, events.Hold) and "no ready standby" in hold.reason
+
+    finding = events.NodeLost(ts=T0, node="n0", cause="last_will")
+    out = list(FailoverPolicy(FailoverConfig(), context=ctx(v)).observe(finding, T0 + 1))
+    assert decided(out) == [("CheckpointRestart", "a", "n0")]
+    out = list(AlertPolicy(AlertConfig(), context=ctx(v)).observe(alert({"node": "n0"}), T0))
+    assert decided(out) == [("CheckpointRestart", "a", "n0")]
+    p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(v))
+    list(p.observe(straggler("n0", 0.3), T0))
+    [rebalance] = p.tick(T0)
+    assert isinstance(rebalance, events.Hold) and "no ready standby" in rebalance.reason
 
 
 def test_failover_triggers_are_configurable() -> None:

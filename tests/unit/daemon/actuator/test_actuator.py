@@ -184,15 +184,14 @@ def test_standby_of_another_gpu_model_is_not_picked(h: Harness) -> None:
 def test_a_standby_with_a_fault_is_not_picked_until_its_agent_is_back(tmp_path: Path) -> None:
     h = Harness(tmp_path / "j.sqlite3", max_concurrent_per_job=2)
     h.status(status(standbys={"s0": "ready", "s1": "ready"}))
-    fault = events.GpuFault(ts=T0, node="s0", gpu=0, cause="xid 79")
-    h.actuator.on_event(fault, T0)
+    h.view.note_fault("s0", T0)  # a GpuFault, as the daemon notes it when emitted
     [prepare] = h.actuator.on_event(migrate(), T0 + 1)
     assert isinstance(prepare, wire.Prepare) and prepare.joiner == "s1"
-    h.actuator.on_event(events.NodeLost(ts=T0, node="s1", cause="last_will"), T0 + 2)
+    h.view.note_fault("s1", T0 + 2)  # a NodeLost
     assert h.actuator.on_event(migrate(node="w1", policy="failover"), T0 + 3) == []
     assert "no ready standby" in h.holds()[-1]  # s0 faulty, s1 lost and joining
     h.view.apply_node_status(wire.NodeStatus(ts=T0 + 4, node="s0", state="online"), T0 + 4)
-    assert h.actuator._standbys(JOB, "w1") == ["s0"]
+    assert h.view.ready_standbys(JOB, leaver="w1") == ["s0"]
 
 
 def test_resend_then_timeout_aborts(h: Harness) -> None:

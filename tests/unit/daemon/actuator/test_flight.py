@@ -1,0 +1,105 @@
+"""The phase machine and membership changes as pure functions: a flight record, what
+arrives, the time; no journal, no broker, no event loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from tmd import wire
+from tmd.config import ActuatorConfig
+from tmd.daemon.actuator.flight import Flight, Next, PhaseMachine, outcome_record
+from tmd.daemon.actuator.membership import Membership, moved
+from tmd.daemon.view import JobView
+
+T0 = 1_800_000_000.0
+MACHINE = PhaseMachine(ActuatorConfig(prepare_timeout_s=30, switch_timeout_s=20, resend_s=5))
+
+
+def flight(phase: str = "preparing", **acks: list[str]) -> Flight:
+    f = Flight(
+        id="m1", job="j", leaver="w2", joiner="s0", policy="drain", reason="r",
+        phase=phase, generation=3, members=frozenset({"w0", "w1", "w2"}),  # type: ignore[arg-type]
+        deadline=T0 + 30, next_send=T0 + 5,
+    )  # fmt: skip
+    for kind, nodes in acks.items():
+        for node in nodes:
+            f.keep(ack(kind, node))
+    return f
+
+
+def ack(kind: str, node: str, total_s: float | None = None, mid: str = "m1") -> wire.Ack:
+    downtime = wire.Downtime(total_s=total_s) if total_s is not None else None
+    return wire.Ack(ts=T0, job="j", migration_id=mid, kind=kind, node=node, downtime=downtime)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("before", "answer", "expect", "phase"),
+    [
+        (flight(prepared=["w0"]), ack("prepared", "w1"), Next("none"), "preparing"),
+        (flight(prepared=["w0", "w1"]), ack("prepared", "w2"), Next("switch"), "preparing"),
+        (flight(), ack("failed", "w1"), Next("abort", "w1 failed: "), "preparing"),
+        (flight(aborted=["w0"]), ack("aborted", "w1"), Next("none"), "aborting"),
+        (flight(aborted=["w0"], failed=["w1"]), ack("aborted", "w2"), Next("aborted", "w2: "),
+         "aborting"),
+        # The prepared answers were lost: a switched answer moves it on all the same.
+        (flight(switched=["w0", "w1"]), ack("switched", "s0"), Next("done"), "switching"),
+        (flight("switching"), ack("switched", "w2"), Next("none"), "switching"),  # the leaver
+        (flight("runtime"), ack("switched", "w0", mid="failover-g3"),
+         Next("done", "replaced by the runtime's failover"), "runtime"),
+    ],
+)  # fmt: skip
+def test_acks(before: Flight, answer: wire.Ack, expect: Next, phase: str) -> None:
+    assert MACHINE.on_ack(before, answer, T0 + 1) == expect
+    assert before.phase == phase
+
+
+@pytest.mark.parametrize(
+    ("before", "at", "expect"),
+    [
+        (flight(), T0 + 4, Next("none")),
+        (flight(), T0 + 5, Next("resend")),
+        (flight(prepared=["w1"]), T0 + 30,
+         Next("abort", "timed out waiting for prepared from w0, w2")),
+        (flight("switching", switched=["w0"]), T0 + 30,
+         Next("abort", "timed out waiting for switched from s0, w1")),
+        (flight("aborting"), T0 + 30, Next("aborted", "")),  # the job runs with the leaver
+        (flight("runtime"), T0 + 30, Next("done", "replaced by the runtime's failover")),
+    ],
+)  # fmt: skip
+def test_ticks(before: Flight, at: float, expect: Next) -> None:
+    job = JobView("j", state="running", members={0: "w0", 1: "w1", 2: "w2"})
+    assert MACHINE.on_tick(before, at, job) == expect
+
+
+def test_an_abort_nobody_confirmed_failed_and_a_switch_seen_in_the_status_is_done() -> None:
+    assert MACHINE.on_tick(flight("aborting"), T0 + 30, None) == Next(
+        "failed", "no confirmation of the abort"
+    )
+    f = flight("switching")
+    assert MACHINE.on_status(f, 3, {"w0", "w1", "s0"}) == Next("none")  # not a newer generation
+    assert MACHINE.on_status(f, 4, {"w0", "w1", "s0"}) == Next("switched")
+    assert MACHINE.on_tick(f, T0 + 30, None).action == "done"
+    other = flight()
+    assert MACHINE.on_status(other, 4, {"w0", "s1", "w2"}) == Next(
+        "aborted", "the job's membership changed"
+    )
+
+
+def test_the_downtime_is_the_worst_of_the_stayers_and_the_joiner() -> None:
+    f = flight("switching")
+    for node, total in (("w0", 0.2), ("w1", 0.4), ("s0", 0.3), ("w2", 9.0)):
+        f.keep(ack("switched", node))
+        f.keep(ack("switched", node, total))  # a repeat with the downtime replaces it
+    record, downtime = outcome_record(f, "done")
+    assert downtime == 0.4 and record["downtime_median_s"] == 0.3
+
+
+def test_a_machine_the_runtime_replaced_is_found_once_and_ours_are_not() -> None:
+    before = Membership(generation=1, step=10, ts=T0, members={0: "a", 1: "a", 2: "b", 3: "c"})
+    after = Membership(generation=2, step=11, ts=T0, members={0: "x", 1: "x", 2: "y", 3: "c"})
+    assert moved("j", before, after, switched_to=set(), replaced={}) == [
+        (0, "a", "x"),
+        (2, "b", "y"),
+    ]
+    assert moved("j", before, after, switched_to={"y"}, replaced={("j", "a"): "x"}) == []
+    assert moved("j", after, after, switched_to=set(), replaced={}) == []

@@ -1,0 +1,132 @@
+"""Who is in each job, as its status says, and what a new status says happened.
+
+The runtime also replaces a dead machine by itself (``tmd.runtime.failover``), faster
+than any daemon could react. The actuator notices that from the job's status (a new
+generation with a different node at a rank, without a migration of its own) and
+journals it as a finished migration, so policies, guardrails and ``tmd events`` see
+it like any other. A status whose generation and step went back is a new run of the
+job, restarted from its checkpoint. The runtime's answers about its own failovers may
+come before the status that explains them; they wait here to be claimed.
+
+The last membership of each job is kept in the journal, so that a restarted daemon
+sees what changed while it was down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from tmd import wire
+from tmd.daemon.actuator.flight import RUNTIME_ACK_GRACE_S, Flight
+from tmd.daemon.journal import Journal, Membership
+
+MAX_EARLY_ACKS = 1024
+
+__all__ = ["FailoverAcks", "Membership", "Memberships", "moved", "runtime_failover", "went_back"]
+
+
+class Memberships:
+    """The last membership the actuator saw of each job, kept in the journal."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self._seen = journal.memberships()
+
+    def get(self, job: str) -> Membership | None:
+        return self._seen.get(job)
+
+    def record(self, status: wire.JobStatus, before: Membership | None) -> Membership:
+        """Remember what ``status`` says; journaled when it differs from ``before`` (None:
+        the first of the job, or of a new run of it) in generation or members."""
+        after = Membership(
+            generation=status.generation, step=status.step, ts=status.ts,
+            members={m.rank: m.node for m in status.members},
+        )  # fmt: skip
+        self._seen[status.job] = after
+        if (
+            before is None
+            or after.generation != before.generation
+            or after.members != before.members
+        ):
+            self._journal.save_membership(status.job, after)
+        return after
+
+
+def went_back(before: Membership, status: wire.JobStatus) -> bool:
+    """Whether ``status`` is behind ``before``: delivered late (it is older) or a new run
+    of the job (its generation starts over at 0, its step goes back to the checkpoint)."""
+    return (status.generation, status.step) < (before.generation, before.step)
+
+
+def moved(
+    job: str,
+    before: Membership,
+    after: Membership,
+    *,
+    switched_to: Collection[str],
+    replaced: Mapping[tuple[str, str], str],
+) -> list[tuple[int, str, str]]:
+    """(rank, leaver, joiner) for each machine the runtime replaced by itself between two
+    memberships: a rank now on another node, unless a migration of ours put it there
+    (its joiner is in ``switched_to``, or ``replaced`` already says so). A machine with
+    several ranks is replaced once."""
+    if after.generation <= before.generation:
+        return []
+    out: list[tuple[int, str, str]] = []
+    found: set[tuple[str, str]] = set()
+    for rank, node in sorted(after.members.items()):
+        old = before.members.get(rank)
+        if old is None or old == node or node in switched_to:
+            continue
+        if replaced.get((job, old)) == node:
+            continue  # a migration of ours whose acks came before this status
+        if (old, node) not in found:
+            found.add((old, node))
+            out.append((rank, old, node))
+    return out
+
+
+def runtime_failover(
+    status: wire.JobStatus, *, rank: int, leaver: str, joiner: str, generation: int, now: float
+) -> Flight:
+    """The record of a failover the runtime did by itself at ``generation``, awaiting the
+    donor's ack that carries its downtime."""
+    runtime_id = f"failover-g{generation}"
+    return Flight(
+        # The status's time tells apart runs of a job that restarted (the runtime's
+        # generations, and so its failover ids, start over) and is the same when a
+        # retained status is delivered again.
+        id=f"{status.job}.{runtime_id}.r{rank}.t{int(status.ts)}"[-128:],
+        job=status.job, leaver=leaver, joiner=joiner, policy="runtime",
+        reason=f"the runtime replaced lost rank {rank} ({leaver}) with {joiner}",
+        phase="runtime", generation=generation, members=frozenset(), runtime_id=runtime_id,
+        deadline=now + RUNTIME_ACK_GRACE_S,
+    )  # fmt: skip
+
+
+class FailoverAcks:
+    """The runtime's answers about failovers it did by itself, before their status."""
+
+    def __init__(self) -> None:
+        self._early: dict[tuple[str, str], wire.Ack] = {}  # (job, runtime id)
+        self._rollbacks: set[tuple[str, str]] = set()  # (job, runtime id) recorded
+
+    def hold(self, ack: wire.Ack) -> bool:
+        """Keep ``ack`` until its status comes; True for the first ``failed`` of that
+        failover: the runtime could not replace the machine and rolls back."""
+        key = (ack.job, ack.migration_id)
+        self._early[key] = ack
+        while len(self._early) > MAX_EARLY_ACKS:  # acks nobody will claim
+            del self._early[next(iter(self._early))]
+        if ack.kind == "failed" and key not in self._rollbacks:  # one per survivor
+            self._rollbacks.add(key)
+            return True
+        return False
+
+    def claim(self, job: str, runtime_id: str) -> wire.Ack | None:
+        return self._early.pop((job, runtime_id), None)
+
+    def forget(self, job: str) -> None:
+        """A new run of ``job`` uses the runtime's ids again."""
+        self._early = {k: v for k, v in self._early.items() if k[0] != job}
+        self._rollbacks = {k for k in self._rollbacks if k[0] != job}

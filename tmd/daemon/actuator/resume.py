@@ -1,0 +1,87 @@
+"""Resuming, after a restart, the migrations the journal still holds in flight.
+
+Every transition is journaled before the command that follows it is sent. After a
+restart the actuator waits ``actuator.settle_s`` for the retained statuses, then
+resumes each migration the journal still holds in flight from the phase it reached
+(``Journal.in_flight``), so a migration is neither lost nor repeated, and each ends
+in exactly one ``MigrationFinished``. The guardrails count the migrations of the last
+hour from when they started, as if the daemon had not stopped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tmd import wire
+from tmd.daemon.actuator.flight import Flight, Phase
+from tmd.daemon.actuator.ledger import Ledger
+from tmd.daemon.journal import TERMINAL_STATES, MigrationRow
+from tmd.daemon.view import ClusterView, JobView
+
+
+def reconcile(ledger: Ledger, view: ClusterView, now: float) -> list[wire.Message]:
+    """Resume what the journal holds in flight; returns the commands to publish."""
+    guard = ledger.guard_state
+    out: list[wire.Message] = []
+    for row in ledger.journal.recent_migrations(now - 3600):
+        if row.state not in TERMINAL_STATES:
+            continue  # counted again when it is resumed below
+        guard.started.append(row.created_ts)
+        guard.last_on_node[row.leaver] = row.created_ts
+    for row in ledger.journal.in_flight():
+        if row.id in ledger.flights:
+            continue
+        out += resume(ledger, row, view.jobs.get(row.job), now)
+    guard.started = deque(sorted(guard.started))
+    return out
+
+
+def resume(
+    ledger: Ledger, row: MigrationRow, job: JobView | None, now: float
+) -> list[wire.Message]:
+    """Drive ``row`` again from the phase it reached; ``job`` as the view has it now."""
+    if row.detail.get("runtime_id"):  # a failover the runtime did, awaiting its ack
+        ledger.start(_restore(ledger, row, job, "runtime", now), row.created_ts)
+        return []
+    nodes = set(job.members.values()) if job is not None else set()
+    if row.joiner in nodes and row.leaver not in nodes:
+        flight = _restore(ledger, row, job, "switching", now)
+        ledger.start(flight, row.created_ts)
+        ledger.finish(flight, "done", now, detail="switched while the daemon was down")
+        return []
+    phase: Phase = "preparing"
+    if row.state in ("prepared", "switching"):
+        phase = "switching"
+    elif row.state == "aborting":
+        phase = "aborting"
+    flight = _restore(ledger, row, job, phase, now)
+    flight.abort_reason = str(row.detail.get("why", ""))
+    ledger.start(flight, row.created_ts)  # cooldowns and rate limits count from then
+    ledger.log.info("resuming migration", migration_id=row.id, state=row.state, phase=phase)
+    if row.state == "planned":  # stopped before its prepare was journaled (or sent)
+        return [ledger.enter(flight, "preparing", now, detail={"resumed": True})]
+    ledger.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
+    return [ledger.machine.command(flight, now)]
+
+
+def _restore(
+    ledger: Ledger, row: MigrationRow, job: JobView | None, phase: Phase, now: float
+) -> Flight:
+    return restore(row, job, phase, deadline=now + ledger.machine.timeout_s(phase))
+
+
+def restore(row: MigrationRow, job: JobView | None, phase: Phase, *, deadline: float) -> Flight:
+    """The flight record of a journaled migration, in ``phase`` until ``deadline``."""
+    if "members" in row.detail:  # as journaled when it started
+        members = frozenset(str(m) for m in row.detail["members"])
+    else:
+        members = frozenset(job.members.values()) if job is not None else frozenset()
+        if row.joiner in members:  # it switched: the members before it had the leaver
+            members = (members - {row.joiner}) | {row.leaver}
+    return Flight(
+        id=row.id, job=row.job, leaver=row.leaver, joiner=row.joiner,
+        policy=row.reason.partition(":")[0], reason=row.reason, phase=phase,
+        generation=int(row.detail.get("generation", job.generation if job else 0)),
+        members=members, deadline=deadline,
+        runtime_id=str(row.detail.get("runtime_id", "")),
+    )  # fmt: skip

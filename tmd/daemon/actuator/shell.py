@@ -1,0 +1,301 @@
+"""The ``Actuator``: composes the phase machine, the ledger, membership tracking,
+resume and standby choice, and the thin asyncio shell that runs them.
+
+For each ``Migrate`` decision it picks the standby (``standby``), applies the
+guardrails, journals the migration and drives it (``flight``); it follows each job's
+status (``membership``) and, after a restart, resumes what the journal holds in
+flight (``resume``). All of that is synchronous and takes the time as an argument
+(``on_event``, ``on_tick``, ``reconcile``), so it runs on an injected clock in tests
+and the simulator; ``run`` is the thin asyncio shell that feeds it from the bus and
+publishes what it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiomqtt
+
+from tmd import log, wire
+from tmd.clock import Clock
+from tmd.config import ActuatorConfig, GuardrailsConfig
+from tmd.daemon import events
+from tmd.daemon.actuator import guardrails, membership, resume, standby
+from tmd.daemon.actuator.flight import Flight, Next, Outcome, PhaseMachine
+from tmd.daemon.actuator.ledger import SOURCE, Emit, Ledger
+from tmd.daemon.bus import Bus
+from tmd.daemon.journal import Journal
+from tmd.daemon.metrics import Metrics
+from tmd.daemon.view import ClusterView
+from tmd.errors import JournalError, PublishError
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+TICK_S = 0.5
+
+
+class Actuator:
+    def __init__(
+        self,
+        *,
+        config: ActuatorConfig,
+        guard: GuardrailsConfig,
+        view: ClusterView,
+        journal: Journal,
+        emit: Emit,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.guard = guard
+        self.guard_state = guardrails.GuardState()
+        self.view = view
+        self.journal = journal
+        self.emit = emit
+        self.metrics = metrics
+        self.log = log.get("actuator")
+        self.machine = PhaseMachine(config)
+        self.ledger = Ledger(
+            machine=self.machine, journal=journal, emit=emit, metrics=metrics,
+            guard_state=self.guard_state, log=self.log,
+        )  # fmt: skip
+        self.memberships = membership.Memberships(journal)
+        self.failover_acks = membership.FailoverAcks()
+
+    @property
+    def flights(self) -> dict[str, Flight]:
+        """The migrations in flight, by id."""
+        return self.ledger.flights
+
+    # -- inputs ------------------------------------------------------------------------
+
+    def on_event(self, event: object, now: float) -> list[wire.Message]:
+        """Feed one bus event; returns the commands to publish, in order."""
+        if isinstance(event, events.Migrate):
+            return self._on_migrate(event, now)
+        if isinstance(event, wire.Ack):
+            return self._on_ack(event, now)
+        if isinstance(event, wire.JobStatus):
+            return self._on_status(event, now)
+        return []
+
+    def on_tick(self, now: float) -> list[wire.Message]:
+        """Timeouts and resends; returns the commands to publish."""
+        out: list[wire.Message] = []
+        for flight in list(self.flights.values()):
+            out += self._apply(
+                flight, self.machine.on_tick(flight, now, self.view.jobs.get(flight.job)), now
+            )
+        return out
+
+    def reconcile(self, now: float) -> list[wire.Message]:
+        """Resume what the journal holds in flight (once, after a restart)."""
+        return resume.reconcile(self.ledger, self.view, now)
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def _on_migrate(self, decision: events.Migrate, now: float) -> list[wire.Message]:
+        choice = standby.choose(
+            decision, view=self.view, flights=list(self.flights.values()),
+            replaced=self.ledger.replaced,
+        )  # fmt: skip
+        candidates, why = choice.standbys, choice.held
+        if why is None:
+            why = guardrails.check(
+                decision, config=self.guard, state=self.guard_state,
+                ready_standbys=len(candidates), now=now,
+            )  # fmt: skip
+            if not self.config.enabled and why is None:
+                why = "actuator.enabled is false"
+            if why is not None and self.guard.dry_run and candidates:
+                why += f" (would migrate {decision.node} to {candidates[0]})"
+        if why is not None:
+            self.emit(
+                events.Hold(
+                    ts=now, policy=SOURCE, job=decision.job, node=decision.node,
+                    reason=f"{decision.policy}'s migration of {decision.node} not run: {why}",
+                    held=decision.policy,
+                ),
+                SOURCE,
+            )  # fmt: skip
+            return []
+        job = self.view.jobs[decision.job]
+        flight = Flight(
+            id=f"m{int(now)}-{secrets.token_hex(4)}",
+            job=decision.job,
+            leaver=decision.node,
+            joiner=candidates[0],
+            policy=decision.policy,
+            reason=decision.reason,
+            phase="preparing",
+            generation=job.generation,
+            members=frozenset(job.members.values()),
+            deadline=now + self.config.prepare_timeout_s,
+        )
+        self.ledger.begin(flight, reason=f"{decision.policy}: {decision.reason}", now=now)
+        self.ledger.start(flight, now)
+        self.log.info(
+            "migration started", migration_id=flight.id, job=flight.job,
+            leaver=flight.leaver, joiner=flight.joiner, policy=flight.policy,
+        )  # fmt: skip
+        return [self.ledger.enter(flight, "preparing", now)]
+
+    # -- the runtime's answers ---------------------------------------------------------
+
+    def _on_ack(self, ack: wire.Ack, now: float) -> list[wire.Message]:
+        flight = self.flights.get(ack.migration_id)
+        if flight is None:
+            runtime = [
+                f for f in self.flights.values()
+                if f.runtime_id == ack.migration_id and f.job == ack.job
+            ]  # fmt: skip
+            if runtime:
+                return self._apply(runtime[0], self.machine.on_ack(runtime[0], ack, now), now)
+            if ack.migration_id.startswith("failover-") and self.failover_acks.hold(ack):
+                self.emit(
+                    events.CheckpointRestart(
+                        ts=now, policy="runtime", job=ack.job, node=ack.node,
+                        reason=f"the runtime could not replace a lost rank: {ack.detail}",
+                    ),
+                    SOURCE,
+                )  # fmt: skip
+            return []  # an answer to someone else's, or a finished, migration
+        if ack.job != flight.job:
+            return []
+        return self._apply(flight, self.machine.on_ack(flight, ack, now), now)
+
+    def _on_status(self, status: wire.JobStatus, now: float) -> list[wire.Message]:
+        before = self.memberships.get(status.job)
+        if before is not None and membership.went_back(before, status):
+            if status.ts <= before.ts:
+                return []  # an older status delivered late
+            self._job_restarted(status, now)
+            before = None
+        after = self.memberships.record(status, before)
+        nodes = set(after.members.values())
+        ours = [f for f in self.ledger.of_job(status.job) if f.phase != "runtime"]
+        for flight in ours:
+            self._apply(flight, self.machine.on_status(flight, status.generation, nodes), now)
+        if before is None:
+            return []
+        moved = membership.moved(
+            status.job, before, after,
+            switched_to={f.joiner for f in ours if f.switched_by_status},
+            replaced=self.ledger.replaced,
+        )  # fmt: skip
+        for rank, leaver, joiner in moved:
+            self._record_runtime_failover(status, rank, leaver, joiner, before.generation, now)
+        return []
+
+    def _job_restarted(self, status: wire.JobStatus, now: float) -> None:
+        """A new run of the job (a checkpoint restart starts over at generation 0): what
+        was in flight in the old one is over, and its ids will be used again."""
+        for flight in self.ledger.of_job(status.job):
+            outcome: Outcome = "done" if flight.phase == "runtime" else "aborted"
+            self.ledger.finish(flight, outcome, now, detail="the job restarted")
+        self.failover_acks.forget(status.job)
+
+    def _record_runtime_failover(
+        self, status: wire.JobStatus, rank: int, leaver: str, joiner: str, old_gen: int, now: float
+    ) -> None:
+        if any(
+            (r.job, r.leaver, r.joiner) == (status.job, leaver, joiner)
+            for r in self.journal.in_flight()
+        ):
+            return  # a migration of ours that switched while the daemon was down
+        flight = membership.runtime_failover(
+            status, rank=rank, leaver=leaver, joiner=joiner, generation=old_gen, now=now
+        )
+        self.ledger.replaced[(status.job, leaver)] = joiner
+        if not self.ledger.begin(flight, reason=flight.reason, now=now):
+            return  # already journaled (a status seen again after a restart)
+        self.ledger.start(flight, now)
+        self.journal.set_migration_state(
+            flight.id, "switching", ts=now,
+            detail={"rank": rank, "runtime_id": flight.runtime_id},
+        )  # fmt: skip
+        early = self.failover_acks.claim(status.job, flight.runtime_id)
+        if early is not None:
+            self._apply(flight, self.machine.on_ack(flight, early, now), now)
+
+    # -- carrying out what the machine decided -----------------------------------------
+
+    def _apply(self, flight: Flight, step: Next, now: float) -> list[wire.Message]:
+        """Journal, send or emit what the phase machine decided for ``flight``."""
+        action, detail = step
+        if action == "resend":
+            return [self.machine.command(flight, now)]
+        if action == "abort":
+            return self._abort(flight, detail, now)
+        if action == "switch":
+            self.journal.set_migration_state(flight.id, "prepared", ts=now)
+            return [self.ledger.enter(flight, "switching", now)]
+        if action == "switched":
+            self.ledger.replaced[(flight.job, flight.leaver)] = flight.joiner
+        elif action in ("done", "aborted", "failed"):
+            self.ledger.finish(flight, action, now, detail=detail)
+        return []
+
+    def _abort(self, flight: Flight, why: str, now: float) -> list[wire.Message]:
+        if flight.switched_by_status:
+            return self._apply(flight, self.machine.if_switched(flight), now)
+        flight.abort_reason = why
+        self.log.warning("aborting migration", migration_id=flight.id, job=flight.job, why=why)
+        out = [self.ledger.enter(flight, "aborting", now, detail={"why": why})]
+        # Everyone may have aborted already.
+        self._apply(flight, self.machine.if_aborted(flight), now)
+        return out
+
+    # -- the asyncio shell -------------------------------------------------------------
+
+    async def run(
+        self, *, bus: Bus, clock: Clock, publish: Publish, subscribed: asyncio.Event
+    ) -> None:
+        """Feed the machine from the bus and publish its commands, until cancelled.
+
+        A command that cannot be published (broker down) is not queued: the next
+        resend carries it, so a long outage does not build a backlog of stale ones."""
+        sub = bus.subscribe(
+            "actuator",
+            (events.Migrate, events.GpuFault, events.NodeLost, wire.Ack, wire.JobStatus),
+        )
+        try:
+            await subscribed.wait()
+            await asyncio.sleep(self.config.settle_s)
+            await self._send(self._guarded(self.reconcile, clock.now(), "reconcile"), publish)
+            while True:
+                batch = await sub.batch(TICK_S)
+                out: list[wire.Message] = []
+                for event in batch:
+                    out += self._guarded(self.on_event, event, clock.now(), type(event).__name__)
+                out += self._guarded(self.on_tick, clock.now(), "tick")
+                await self._send(out, publish)
+        finally:
+            bus.unsubscribe(sub)
+
+    def _guarded(self, step: Callable[..., list[wire.Message]], *args: Any) -> list[wire.Message]:
+        *call, what = args
+        try:
+            return step(*call)
+        except JournalError as exc:
+            # The journal is the record of truth: without it, act on nothing (what
+            # was not journaled is retried by the resends and timeouts).
+            self.log.error("journal write failed", error=str(exc), during=what)
+        except Exception:  # a bug must not take the daemon down with it
+            self.log.exception("actuator failed", during=what)
+            if self.metrics is not None:
+                self.metrics.actuator_errors.labels(during=what).inc()
+        return []
+
+    async def _send(self, commands: list[wire.Message], publish: Publish) -> None:
+        for command in commands:
+            job = getattr(command, "job", "")
+            try:
+                await publish(wire.job_topic(job, "ctl"), wire.encode(command))
+            except (PublishError, aiomqtt.MqttError, TimeoutError) as exc:
+                self.log.warning(
+                    "command not sent; it is sent again", error=str(exc),
+                    migration_id=getattr(command, "migration_id", ""),
+                )  # fmt: skip
