@@ -11,8 +11,8 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import tmd
 from tmd import config as config_mod
@@ -24,27 +24,77 @@ DEFAULT_CONFIG = "/etc/tmd/tmd.toml"
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Verbs with their own argument parsers take the rest of the line untouched.
-    if argv[:2] == ["bench", "ingest"]:
-        from tmd.tools.bench import ingest
+    for prefix, own_parser in _OWN_PARSERS.items():
+        if argv[: len(prefix)] == list(prefix):
+            return own_parser(argv[len(prefix) :])
+    args = _parser().parse_args(argv)
+    try:
+        return _VERBS[args.verb](args)
+    except ConfigError as exc:
+        print(f"tmd: config error: {exc}", file=sys.stderr)
+        return 2
+    except TmdError as exc:
+        print(f"tmd: {exc}", file=sys.stderr)
+        return 1
 
-        return ingest.main(argv[2:])
-    if argv[:2] == ["bench", "detect"]:
-        from tmd.tools.bench import detect
 
-        return detect.main(argv[2:])
-    if argv[:2] == ["bench", "downtime"]:
-        from tmd.tools.bench import downtime
+# -- verbs with their own argument parsers: they take the rest of the line untouched --
 
-        return int(downtime.main(argv[2:]))
-    if argv[:1] == ["launch"]:
-        from tmd.runtime import launch
 
-        return int(launch.main(argv[1:]))
+def _bench_ingest(argv: list[str]) -> int:
+    from tmd.tools.bench import ingest
 
+    return ingest.main(argv)
+
+
+def _bench_detect(argv: list[str]) -> int:
+    from tmd.tools.bench import detect
+
+    return detect.main(argv)
+
+
+def _bench_downtime(argv: list[str]) -> int:
+    from tmd.tools.bench import downtime
+
+    return int(downtime.main(argv))
+
+
+def _launch(argv: list[str]) -> int:
+    from tmd.runtime import launch
+
+    return int(launch.main(argv))
+
+
+_OWN_PARSERS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
+    ("bench", "ingest"): _bench_ingest,
+    ("bench", "detect"): _bench_detect,
+    ("bench", "downtime"): _bench_downtime,
+    ("launch",): _launch,
+}
+
+
+# -- the argument parser, one function per verb ------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tmd", description=tmd.__doc__)
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    _add_run(sub)
+    _add_agent(sub)
+    _add_check_config(sub)
+    _add_queries(sub)
+    _add_requests(sub)
+    _add_demo(sub)
+    sub.add_parser("version", help="print the version")
+    sub.add_parser("bench", help="benchmarks: `tmd bench ingest|downtime --help`")
+    sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
+    return p
 
+
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_run(sub: _Subparsers) -> None:
     run = sub.add_parser("run", help="run the head-node daemon")
     run.add_argument(
         "--config",
@@ -52,14 +102,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "if it exists, else built-in defaults)",
     )
 
+
+def _add_agent(sub: _Subparsers) -> None:
     agent = sub.add_parser("agent", help="run the node agent (NVML publisher)")
     agent.add_argument("--config", help="TOML file (default: as for `tmd run`)")
     agent.add_argument("--once", action="store_true", help="print one sample of every GPU, exit")
     agent.add_argument("--json", action="store_true", help="with --once: as JSON")
 
+
+def _add_check_config(sub: _Subparsers) -> None:
     check = sub.add_parser("check-config", help="validate a config file and print it")
     check.add_argument("file")
 
+
+def _add_queries(sub: _Subparsers) -> None:
+    """``status`` and ``events``: read the daemon's API."""
     for name, text in (
         ("status", "show jobs, ranks, nodes and standbys"),
         ("events", "show findings, decisions and migrations"),
@@ -77,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             q.add_argument("--kind", help="only events of this kind (e.g. NodeLost)")
             q.add_argument("--limit", type=int, default=50)
 
+
+def _add_requests(sub: _Subparsers) -> None:
+    """``drain`` and ``migrate``: ask the daemon, with its token."""
     for name, text in (
         ("drain", "move every job's work off a node (maintenance)"),
         ("migrate", "move one job's work off a node, optionally to a standby"),
@@ -97,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         q.add_argument("--by", default=os.environ.get("USER", ""), help="who asks (journaled)")
 
+
+def _add_demo(sub: _Subparsers) -> None:
     demo = sub.add_parser("demo", help="a live migration of a slow machine, on this machine")
     demo.add_argument("--png", default="tmd-demo.png", help="where to write the timeline")
     demo.add_argument(
@@ -109,50 +171,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="use the embedded broker even where mosquitto is installed",
     )
 
-    sub.add_parser("version", help="print the version")
-    sub.add_parser("bench", help="benchmarks: `tmd bench ingest|downtime --help`")
-    sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
 
-    args = p.parse_args(argv)
-    try:
-        if args.verb == "run":
-            return _run(args.config)
-        if args.verb == "agent":
-            from tmd.agent import agent as agent_mod
+# -- the verbs ---------------------------------------------------------------------------
 
-            return agent_mod.run(_config_path(args.config), once=args.once, as_json=args.json)
-        if args.verb == "check-config":
-            cfg = config_mod.load(args.file)
-            _validate_plugins(cfg)
-            print(json.dumps(config_mod.as_dict(cfg), indent=2, default=str))
-            print(f"{args.file}: ok", file=sys.stderr)
-            return 0
-        if args.verb == "status":
-            return _status(args)
-        if args.verb == "events":
-            return _events(args)
-        if args.verb in ("drain", "migrate"):
-            return _request(args)
-        if args.verb == "demo":
-            from tmd.tools import demo as demo_mod
 
-            return demo_mod.run(
-                png=args.png, slow_s=args.slow_s, keep=args.keep,
-                embedded_broker=args.embedded_broker,
-            )  # fmt: skip
-        if args.verb == "version":
-            print(tmd.__version__)
-            return 0
-        print(
-            f"tmd {args.verb}: needs a sub-command; see `tmd {args.verb} --help`", file=sys.stderr
-        )
-        return 2
-    except ConfigError as exc:
-        print(f"tmd: config error: {exc}", file=sys.stderr)
-        return 2
-    except TmdError as exc:
-        print(f"tmd: {exc}", file=sys.stderr)
-        return 1
+def _agent(args: argparse.Namespace) -> int:
+    from tmd.agent import agent as agent_mod
+
+    return agent_mod.run(_config_path(args.config), once=args.once, as_json=args.json)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.file)
+    _validate_plugins(cfg)
+    print(json.dumps(config_mod.as_dict(cfg), indent=2, default=str))
+    print(f"{args.file}: ok", file=sys.stderr)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tmd.tools import demo as demo_mod
+
+    return demo_mod.run(
+        png=args.png, slow_s=args.slow_s, keep=args.keep, embedded_broker=args.embedded_broker
+    )
+
+
+def _version(args: argparse.Namespace) -> int:
+    print(tmd.__version__)
+    return 0
+
+
+def _needs_subcommand(args: argparse.Namespace) -> int:
+    print(f"tmd {args.verb}: needs a sub-command; see `tmd {args.verb} --help`", file=sys.stderr)
+    return 2
 
 
 def _config_path(given: str | None) -> str | None:
@@ -168,8 +220,8 @@ def _validate_plugins(cfg: config_mod.Config) -> None:
     plugin_specs(cfg)
 
 
-def _run(config_path: str | None) -> int:
-    cfg = config_mod.load(_config_path(config_path))
+def _run(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(_config_path(args.config))
     log.setup(level=cfg.log.level, format=cfg.log.format)
     from tmd.daemon.daemon import Daemon
 
@@ -274,6 +326,20 @@ def _events(args: argparse.Namespace) -> int:
 
     print(render_events(rows))
     return 0
+
+
+_VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _run,
+    "agent": _agent,
+    "check-config": _check_config,
+    "status": _status,
+    "events": _events,
+    "drain": _request,
+    "migrate": _request,
+    "demo": _demo,
+    "version": _version,
+    "bench": _needs_subcommand,  # `tmd bench` alone; its benchmarks have their own parsers
+}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""MQTT clients from ``[mqtt]``, for the daemon's ingest and the node agent alike."""
+"""The MQTT connection shared by the daemon's ingest and the node agent: clients built
+from ``[mqtt]``, and the back-off between reconnect attempts."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import secrets
 import socket
 import ssl
@@ -60,6 +62,27 @@ class ClientFactory:
             will=will,
             queue_type=queue_type,
         )
+
+
+class Backoff:
+    """The wait between reconnect attempts: ``min_s`` at first, doubled after each
+    attempt up to ``max_s``; each wait is jittered to 50-100 % of the delay so that many
+    clients losing one broker do not come back in step. ``reset`` after a connection
+    that worked starts over from ``min_s``."""
+
+    def __init__(self, *, min_s: float, max_s: float) -> None:
+        self.min_s = min_s
+        self.max_s = max_s
+        self.delay = min_s  # the delay the next wait is drawn from
+
+    def next(self) -> float:
+        """Seconds to wait now; the delay after this one doubles."""
+        wait = self.delay * (0.5 + random.random() / 2)
+        self.delay = min(self.delay * 2, self.max_s)
+        return wait
+
+    def reset(self) -> None:
+        self.delay = self.min_s
 
 
 def _tls_context(config: MqttConfig) -> ssl.SSLContext:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import random
 import signal
 import socket
 import sys
@@ -41,7 +40,7 @@ from tmd import config as config_mod
 from tmd import log, sdnotify, wire
 from tmd.agent.nvml import Nvml, NvmlError, NvmlUnavailable, Sample, Xid, XidEvents
 from tmd.config import Config
-from tmd.connection import ClientFactory
+from tmd.connection import Backoff, ClientFactory
 from tmd.errors import ConfigError
 
 T = TypeVar("T")
@@ -191,20 +190,19 @@ class Agent:
     async def _connection_loop(self) -> None:
         """Connect, publish, and on any connection loss back off and connect again;
         the back-off doubles (with jitter) up to ``mqtt.reconnect_max_s``."""
-        delay = self._mqtt.reconnect_min_s
+        backoff = Backoff(min_s=self._mqtt.reconnect_min_s, max_s=self._mqtt.reconnect_max_s)
         while True:
             try:
                 await self._session()
             except aiomqtt.MqttError as exc:
                 if self.connected:
-                    delay = self._mqtt.reconnect_min_s
+                    backoff.reset()
                 self._log.warning(
-                    "broker connection lost", error=str(exc), retry_in_s=round(delay, 2)
+                    "broker connection lost", error=str(exc), retry_in_s=round(backoff.delay, 2)
                 )
             finally:
                 self.connected = False
-            await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            delay = min(delay * 2, self._mqtt.reconnect_max_s)
+            await asyncio.sleep(backoff.next())
 
     async def _session(self) -> None:
         status_topic = wire.node_topic(self.node, "status")

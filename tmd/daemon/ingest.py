@@ -2,9 +2,9 @@
 hand the decoded message to the bus.
 
 Supervision is a plain loop: connect, subscribe, read until the connection drops,
-back off, reconnect. Input never kills it: a bad message is counted in
-``tmd_messages_rejected_total{reason}``, logged at most once per (topic kind,
-reason) per interval, and dropped.
+back off (``tmd.connection.Backoff``), reconnect. Input never kills it: a bad message
+is counted in ``tmd_messages_rejected_total{reason}``, logged at most once per (topic
+kind, reason) per interval, and dropped.
 
 Messages are handled inline, in the callback that reads them from the socket: the
 default aiomqtt iterator costs an asyncio task per message, which at tens of
@@ -15,7 +15,6 @@ O(size of the message).
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 from collections.abc import Callable
 from typing import Any, Final
@@ -25,11 +24,11 @@ import aiomqtt
 from tmd import log, wire
 from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
-from tmd.connection import ClientFactory
+from tmd.connection import Backoff, ClientFactory
 from tmd.daemon.bus import Bus
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
-from tmd.errors import ProtocolError
+from tmd.errors import ProtocolError, PublishError, TmdError
 
 _NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid"}
 _JOB_KINDS: Final = {"status": "job_status", "ack": "ack"}
@@ -63,6 +62,10 @@ def classify(topic: str) -> tuple[str, str, int | None]:
     raise ProtocolError("topic", "not a tmd v1 topic")
 
 
+class SubscriptionRefused(TmdError):
+    """The broker refused some of our subscriptions (an ACL, most likely)."""
+
+
 class Ingest:
     def __init__(
         self,
@@ -86,10 +89,6 @@ class Ingest:
         self.subscribed = asyncio.Event()
         self.connected = False
         self._client_now: aiomqtt.Client | None = None
-        # Test and benchmark hook: called with (batch, now) after a batch is applied.
-        self.on_iter: Callable[[wire.IterBatch, float], None] | None = None
-        # Benchmark baseline: aiomqtt's stock iterator (a task per message) instead.
-        self.use_stock_iterator = False
 
     # -- the edge: one message in ----------------------------------------------------
 
@@ -141,8 +140,6 @@ class Ingest:
             if applied.late:
                 m.steps_by["late"].inc(applied.late)
             m.latency.observe(max(0.0, now - message.ts))
-            if self.on_iter is not None:
-                self.on_iter(message, now)
         elif kind in ("node_status", "gpu", "xid"):
             if message.node != owner:
                 raise ProtocolError("mismatch", "node differs from the topic")
@@ -181,11 +178,14 @@ class Ingest:
     async def publish(self, topic: str, payload: bytes, *, qos: int = 1) -> None:
         """Publish on the ingest connection (one connection per daemon, so one set of
         broker credentials and ACLs). Returns once the broker acknowledged (QoS 1);
-        raises ``aiomqtt.MqttError`` when not connected or on timeout: callers retry."""
+        raises ``PublishError`` when not connected, refused or timed out: callers retry."""
         client = self._client_now
         if client is None:
-            raise aiomqtt.MqttError("not connected to the broker")
-        await client.publish(topic, payload, qos=qos, timeout=self._mqtt.connect_timeout_s)
+            raise PublishError("not connected to the broker")
+        try:
+            await client.publish(topic, payload, qos=qos, timeout=self._mqtt.connect_timeout_s)
+        except (aiomqtt.MqttError, TimeoutError) as exc:
+            raise PublishError(str(exc) or "timed out") from exc
 
     # -- the connection loop -----------------------------------------------------------
 
@@ -195,27 +195,29 @@ class Ingest:
         The back-off doubles on each failed attempt (with jitter, up to
         ``mqtt.reconnect_max_s``) and starts over after a session that got subscribed.
         """
-        delay = self._mqtt.reconnect_min_s
+        backoff = Backoff(min_s=self._mqtt.reconnect_min_s, max_s=self._mqtt.reconnect_max_s)
         while True:
             try:
                 await self._session()
-            except aiomqtt.MqttError as exc:
+            except (aiomqtt.MqttError, SubscriptionRefused) as exc:
                 self._metrics.mqtt_failures.inc()
                 if self.connected:
-                    delay = self._mqtt.reconnect_min_s
+                    backoff.reset()
                 self._log.warning(
-                    "broker connection lost", error=str(exc), retry_in_s=round(delay, 2)
+                    "broker connection lost", error=str(exc), retry_in_s=round(backoff.delay, 2)
                 )
             finally:
                 self.connected = False
                 self._client_now = None
                 self._metrics.mqtt_connected.set(0)
-            await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            delay = min(delay * 2, self._mqtt.reconnect_max_s)
+            await asyncio.sleep(backoff.next())
+
+    def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
+        """How the client queues incoming messages: not at all, handled inline."""
+        return _inline_queue(self.handle)
 
     async def _session(self) -> None:
-        queue_type = None if self.use_stock_iterator else _inline_queue(self.handle)
-        async with self._client(queue_type=queue_type) as client:
+        async with self._client(queue_type=self._queue_type()) as client:
             prefix = f"$share/{self._mqtt.shared_group}/" if self._mqtt.shared_group else ""
             granted = await client.subscribe(
                 [(prefix + t, 1) for t in wire.SUBSCRIPTIONS],
@@ -224,7 +226,7 @@ class Ingest:
             if refused := _refused(granted):
                 # Not ready, not healthy: an ACL that refuses us must not look like a
                 # quiet cluster. Retried with back-off like a lost connection.
-                raise aiomqtt.MqttError(f"broker refused the subscriptions: {refused}")
+                raise SubscriptionRefused(f"broker refused the subscriptions: {refused}")
             self.connected = True
             self._client_now = client
             self._metrics.mqtt_connects.inc()

@@ -40,119 +40,123 @@ def _age(seconds: float | None) -> str:
 
 
 def render_status(data: dict[str, Any], *, all_ranks: bool = False) -> str:
-    out = []
+    jobs = data.get("jobs", [])
+    out = [_daemon_line(data), "\nJOBS", _jobs_table(jobs)]
+    migrations = data.get("migrations", [])
+    if migrations:
+        out += ["\nMIGRATIONS (newest first)", _migrations_table(migrations)]
+    for j in jobs:
+        out += _ranks_table(j, all_ranks=all_ranks)
+    nodes = data.get("nodes", [])
+    out += ["\nNODES", _nodes_table(nodes[:MAX_RANKS_SHOWN])]
+    if len(nodes) > MAX_RANKS_SHOWN:
+        out.append(f"... and {len(nodes) - MAX_RANKS_SHOWN} more nodes (--json for all)")
+    return "\n".join(out)
+
+
+def _daemon_line(data: dict[str, Any]) -> str:
     health = data.get("health", {})
     totals = data.get("totals", {})
-    out.append(
+    return (
         f"daemon: mqtt {health.get('mqtt', '?')}, loop lag {health.get('loop_lag_s', '?')} s; "
         f"{totals.get('jobs', 0)} jobs, {totals.get('ranks', 0)} ranks, "
         f"{totals.get('nodes', 0)} nodes"
     )
-    jobs = data.get("jobs", [])
-    out.append("\nJOBS")
-    out.append(
-        table(
-            ["JOB", "STATE", "WORLD", "GEN", "STEP", "REPORTING", "STANDBYS", "SEEN"],
+
+
+def _jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
+    return table(
+        ["JOB", "STATE", "WORLD", "GEN", "STEP", "REPORTING", "STANDBYS", "SEEN"],
+        [
             [
-                [
-                    j["job"],
-                    j["state"],
-                    j["world_size"],
-                    j["generation"],
-                    j["step"],
-                    j["reporting_ranks"],
-                    ", ".join(f"{s['node']}({s['state']})" for s in j["standbys"]) or "-",
-                    _age(j["last_seen_s"]),
-                ]
-                for j in jobs
-            ],
-        )
+                j["job"],
+                j["state"],
+                j["world_size"],
+                j["generation"],
+                j["step"],
+                j["reporting_ranks"],
+                ", ".join(f"{s['node']}({s['state']})" for s in j["standbys"]) or "-",
+                _age(j["last_seen_s"]),
+            ]
+            for j in jobs
+        ],
     )
-    migrations = data.get("migrations", [])
-    if migrations:
-        out.append("\nMIGRATIONS (newest first)")
-        out.append(
-            table(
-                ["ID", "JOB", "LEAVER", "JOINER", "STATE", "DOWNTIME S", "REASON"],
-                [
-                    [
-                        m["id"],
-                        m["job"],
-                        m["leaver"],
-                        m["joiner"],
-                        m["state"],
-                        m["detail"].get("downtime_s", "-"),
-                        m["reason"][:60],
-                    ]
-                    for m in migrations
-                ],
-            )
-        )
-    for j in jobs:
-        ranks = j.get("ranks", [])
-        if not ranks:
-            continue
-        if len(ranks) > MAX_RANKS_SHOWN and not all_ranks:
-            # The slowest by compute first: that is where a straggler shows.
-            ranks = sorted(ranks, key=lambda r: -(r["median_compute_s"] or 0))[:10]
-            title = (
-                f"\nRANKS of {j['job']} (10 slowest by compute of {j['reporting_ranks']};"
-                " --ranks for all)"
-            )
-        else:
-            title = f"\nRANKS of {j['job']}"
-        out.append(title)
-        out.append(
-            table(
-                [
-                    "RANK",
-                    "NODE",
-                    "LAST STEP",
-                    "SEEN",
-                    "MEDIAN STEP S",
-                    "MEDIAN COMPUTE S",
-                    "DUP",
-                    "LATE",
-                ],
-                [
-                    [
-                        r["rank"],
-                        r["node"],
-                        r["last_step"],
-                        _age(r["last_seen_s"]),
-                        r["median_step_s"],
-                        r["median_compute_s"],
-                        r["duplicates"],
-                        r["late"],
-                    ]
-                    for r in ranks
-                ],
-            )
-        )
-    nodes = data.get("nodes", [])
-    out.append("\nNODES")
-    out.append(
-        table(
-            ["NODE", "STATE", "ROLE", "GPUS", "MAX TEMP C", "LAST XID", "SEEN"],
+
+
+def _migrations_table(migrations: Sequence[dict[str, Any]]) -> str:
+    return table(
+        ["ID", "JOB", "LEAVER", "JOINER", "STATE", "DOWNTIME S", "REASON"],
+        [
             [
-                [
-                    n["node"],
-                    n["state"],
-                    n["role"],
-                    n["gpus"],
-                    n["max_temp_c"],
-                    f"{n['last_xid']['xid']} (gpu {n['last_xid']['gpu']})"
-                    if n["last_xid"]
-                    else "-",
-                    _age(n["last_seen_s"]),
-                ]
-                for n in nodes[:MAX_RANKS_SHOWN]
-            ],
-        )
+                m["id"],
+                m["job"],
+                m["leaver"],
+                m["joiner"],
+                m["state"],
+                m["detail"].get("downtime_s", "-"),
+                m["reason"][:60],
+            ]
+            for m in migrations
+        ],
     )
-    if len(nodes) > MAX_RANKS_SHOWN:
-        out.append(f"... and {len(nodes) - MAX_RANKS_SHOWN} more nodes (--json for all)")
-    return "\n".join(out)
+
+
+def _ranks_table(job: dict[str, Any], *, all_ranks: bool) -> list[str]:
+    """The title and table of a job's ranks; nothing for a job without ranks."""
+    ranks = job.get("ranks", [])
+    if not ranks:
+        return []
+    if len(ranks) > MAX_RANKS_SHOWN and not all_ranks:
+        # The slowest by compute first: that is where a straggler shows.
+        ranks = sorted(ranks, key=lambda r: -(r["median_compute_s"] or 0))[:10]
+        title = (
+            f"\nRANKS of {job['job']} (10 slowest by compute of {job['reporting_ranks']};"
+            " --ranks for all)"
+        )
+    else:
+        title = f"\nRANKS of {job['job']}"
+    headers = [
+        "RANK",
+        "NODE",
+        "LAST STEP",
+        "SEEN",
+        "MEDIAN STEP S",
+        "MEDIAN COMPUTE S",
+        "DUP",
+        "LATE",
+    ]
+    rows = [
+        [
+            r["rank"],
+            r["node"],
+            r["last_step"],
+            _age(r["last_seen_s"]),
+            r["median_step_s"],
+            r["median_compute_s"],
+            r["duplicates"],
+            r["late"],
+        ]
+        for r in ranks
+    ]
+    return [title, table(headers, rows)]
+
+
+def _nodes_table(nodes: Sequence[dict[str, Any]]) -> str:
+    return table(
+        ["NODE", "STATE", "ROLE", "GPUS", "MAX TEMP C", "LAST XID", "SEEN"],
+        [
+            [
+                n["node"],
+                n["state"],
+                n["role"],
+                n["gpus"],
+                n["max_temp_c"],
+                f"{n['last_xid']['xid']} (gpu {n['last_xid']['gpu']})" if n["last_xid"] else "-",
+                _age(n["last_seen_s"]),
+            ]
+            for n in nodes
+        ],
+    )
 
 
 def render_events(rows: Sequence[dict[str, Any]]) -> str:

@@ -67,80 +67,23 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
     client.connect(spec.host, spec.port, keepalive=60)
     client.loop_start()
     rng = random.Random(spec.seed)
-    n = spec.ranks
-    nodes = (n + spec.ranks_per_node - 1) // spec.ranks_per_node
-    out = SynthResult()
-    members = [wire.Member(r, node_of(r, spec.ranks_per_node)) for r in range(n)]
+    members = [wire.Member(r, node_of(r, spec.ranks_per_node)) for r in range(spec.ranks)]
     t0 = time.time()
-    status = wire.JobStatus(ts=t0, job=spec.job, generation=0, world_size=n, members=members)
+    status = wire.JobStatus(
+        ts=t0, job=spec.job, generation=0, world_size=spec.ranks, members=members
+    )
     client.publish(wire.job_topic(spec.job, "status"), wire.encode(status), qos=1, retain=True)
-    iter_topics = [wire.iter_topic(spec.job, r) for r in range(n)]
-    gpu_topics = [
-        wire.node_topic(node_of(i * spec.ranks_per_node, spec.ranks_per_node), "gpu")
-        for i in range(nodes)
-    ]
-    next_step = [1] * n
-    sent_ranks = 0  # ranks published in the current flush period
-    sent_nodes = 0
-    period = 0
-    gpu_period = 0
+    sender = _Sender(spec, client, rng, members, t0)
     start = time.monotonic()
     while True:
         now_m = time.monotonic() - start
         if now_m >= spec.seconds:
             break
-        # Ranks due in this flush period, by phase.
-        due = min(n, int((now_m - period * spec.flush_s) / spec.flush_s * n) + 1)
-        while sent_ranks < due:
-            r = sent_ranks
-            behind = now_m - (period * spec.flush_s + r / n * spec.flush_s)
-            out.max_behind_s = max(out.max_behind_s, behind)
-            now = time.time()
-            steps: list[wire.StepTiming] = []
-            while True:
-                k = next_step[r]
-                end = t0 + (k + r / n) * spec.step_s
-                if end > now or len(steps) >= wire.MAX_STEPS_PER_BATCH:
-                    break
-                steps.append(step_timing(k, end, spec.step_s, spec.slow.get(r, 1.0), rng))
-                next_step[r] = k + 1
-            if steps:
-                batch = wire.IterBatch(
-                    ts=now, job=spec.job, rank=r, node=members[r].node, steps=steps
-                )
-                client.publish(iter_topics[r], wire.encode(batch), qos=0)
-                out.messages += 1
-                out.rank_steps += len(steps)
-            sent_ranks += 1
-        if sent_ranks >= n:
-            sent_ranks = 0
-            period += 1
+        sender.send_ranks(now_m)
         if spec.gpu_health:
-            due_nodes = min(nodes, int((now_m - gpu_period) * nodes) + 1)
-            while sent_nodes < due_nodes:
-                i = sent_nodes
-                sample = wire.NodeGpu(
-                    ts=time.time(),
-                    node=node_of(i * spec.ranks_per_node, spec.ranks_per_node),
-                    gpus=[
-                        wire.GpuSample(
-                            index=g,
-                            temp_c=55.0 + rng.random() * 10,
-                            power_w=400.0,
-                            util_pct=97.0,
-                            clock_event_reasons=0,
-                        )
-                        for g in range(min(8, spec.ranks_per_node))
-                    ],
-                )
-                client.publish(gpu_topics[i], wire.encode(sample), qos=0)
-                out.messages += 1
-                out.gpu_messages += 1
-                sent_nodes += 1
-            if sent_nodes >= nodes:
-                sent_nodes = 0
-                gpu_period += 1
+            sender.send_gpus(now_m)
         time.sleep(0.002)
+    out = sender.out
     out.elapsed_s = time.monotonic() - start
     # Wait until paho has handed everything to the socket.
     deadline = time.monotonic() + 30
@@ -152,6 +95,101 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
     if results is not None:
         results.put(out)
     return out
+
+
+class _Sender:
+    """``publish``'s schedule: ranks due by phase within each flush period, nodes' GPU
+    samples by phase within each second, and what has been sent so far."""
+
+    def __init__(
+        self,
+        spec: SynthSpec,
+        client: paho.Client,
+        rng: random.Random,
+        members: list[wire.Member],
+        t0: float,
+    ) -> None:
+        self.spec = spec
+        self.client = client
+        self.rng = rng
+        self.members = members
+        self.t0 = t0
+        self.out = SynthResult()
+        n = spec.ranks
+        self.nodes = (n + spec.ranks_per_node - 1) // spec.ranks_per_node
+        self.iter_topics = [wire.iter_topic(spec.job, r) for r in range(n)]
+        self.gpu_topics = [
+            wire.node_topic(node_of(i * spec.ranks_per_node, spec.ranks_per_node), "gpu")
+            for i in range(self.nodes)
+        ]
+        self.next_step = [1] * n
+        self.sent_ranks = 0  # ranks published in the current flush period
+        self.sent_nodes = 0
+        self.period = 0
+        self.gpu_period = 0
+
+    def send_ranks(self, now_m: float) -> None:
+        """Every rank due by ``now_m`` (seconds since the start) in this flush period."""
+        spec, n, out = self.spec, self.spec.ranks, self.out
+        due = min(n, int((now_m - self.period * spec.flush_s) / spec.flush_s * n) + 1)
+        while self.sent_ranks < due:
+            r = self.sent_ranks
+            behind = now_m - (self.period * spec.flush_s + r / n * spec.flush_s)
+            out.max_behind_s = max(out.max_behind_s, behind)
+            now = time.time()
+            steps = self._steps_done(r, now)
+            if steps:
+                batch = wire.IterBatch(
+                    ts=now, job=spec.job, rank=r, node=self.members[r].node, steps=steps
+                )
+                self.client.publish(self.iter_topics[r], wire.encode(batch), qos=0)
+                out.messages += 1
+                out.rank_steps += len(steps)
+            self.sent_ranks += 1
+        if self.sent_ranks >= n:
+            self.sent_ranks = 0
+            self.period += 1
+
+    def _steps_done(self, r: int, now: float) -> list[wire.StepTiming]:
+        """Rank ``r``'s steps ended by ``now`` and not yet sent (at most one batch)."""
+        spec, n = self.spec, self.spec.ranks
+        steps: list[wire.StepTiming] = []
+        while True:
+            k = self.next_step[r]
+            end = self.t0 + (k + r / n) * spec.step_s
+            if end > now or len(steps) >= wire.MAX_STEPS_PER_BATCH:
+                break
+            steps.append(step_timing(k, end, spec.step_s, spec.slow.get(r, 1.0), self.rng))
+            self.next_step[r] = k + 1
+        return steps
+
+    def send_gpus(self, now_m: float) -> None:
+        """Every node's GPU sample due by ``now_m`` in this second."""
+        spec, nodes = self.spec, self.nodes
+        due_nodes = min(nodes, int((now_m - self.gpu_period) * nodes) + 1)
+        while self.sent_nodes < due_nodes:
+            i = self.sent_nodes
+            sample = wire.NodeGpu(
+                ts=time.time(),
+                node=node_of(i * spec.ranks_per_node, spec.ranks_per_node),
+                gpus=[
+                    wire.GpuSample(
+                        index=g,
+                        temp_c=55.0 + self.rng.random() * 10,
+                        power_w=400.0,
+                        util_pct=97.0,
+                        clock_event_reasons=0,
+                    )
+                    for g in range(min(8, spec.ranks_per_node))
+                ],
+            )
+            self.client.publish(self.gpu_topics[i], wire.encode(sample), qos=0)
+            self.out.messages += 1
+            self.out.gpu_messages += 1
+            self.sent_nodes += 1
+        if self.sent_nodes >= nodes:
+            self.sent_nodes = 0
+            self.gpu_period += 1
 
 
 def heartbeat_agent(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
+import aiomqtt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +17,7 @@ from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest, classify
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
-from tmd.errors import ProtocolError
+from tmd.errors import ProtocolError, PublishError
 
 
 @pytest.mark.parametrize(
@@ -216,3 +218,21 @@ def test_refused_suback_codes() -> None:
         ReasonCode(PacketTypes.SUBACK, "Not authorized"),
     )
     assert _refused([ok, denied]) == [denied]
+
+
+async def test_publish_without_a_connection_raises_our_error() -> None:
+    ingest, *_ = make_ingest()
+    with pytest.raises(PublishError, match="not connected"):
+        await ingest.publish(wire.job_topic("j", "ctl"), b"{}")
+
+
+async def test_publish_translates_the_client_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Failing:
+        async def publish(self, *args: Any, **kwargs: Any) -> None:
+            raise aiomqtt.MqttError("Operation timed out")
+
+    ingest, *_ = make_ingest()
+    monkeypatch.setattr(ingest, "_client_now", Failing())
+    with pytest.raises(PublishError, match="Operation timed out") as err:
+        await ingest.publish(wire.job_topic("j", "ctl"), b"{}")
+    assert isinstance(err.value.__cause__, aiomqtt.MqttError)

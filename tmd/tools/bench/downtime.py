@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from tmd.tools.bench import measure
 
 JOB = "bench"
 
@@ -95,8 +96,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(argv: list[str]) -> int:
-    t_start = time.time()
+def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tmd.tools.bench.downtime worker")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -112,7 +112,12 @@ def worker(argv: list[str]) -> int:
     parser.add_argument("--slow-s", type=float, default=0.0, help="seconds added to each step")
     parser.add_argument("--slow-from", type=int, default=0, help="from this step on")
     parser.add_argument("--stop-key", default="", help="store key holding the last step")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def worker(argv: list[str]) -> int:
+    t_start = time.time()
+    args = _worker_args(argv)
 
     import torch
 
@@ -198,14 +203,6 @@ def _job(out: Path, args: argparse.Namespace, *, standby: int, mode: str, extra:
     return LocalJob(cmd, nproc=args.nproc, standby=standby, job=JOB)
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem != "killed"]
-
-
-def _steps(records: list[dict[str, Any]]) -> list[list[Any]]:
-    return [row for r in records for row in r["steps"]]
-
-
 def _wait_step(job: Any, step: int, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -213,16 +210,6 @@ def _wait_step(job: Any, step: int, timeout: float = 600) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError(f"job did not reach step {step}")
-
-
-def _downtime(before: list[list[Any]], after: list[list[Any]], at: int, median: float) -> float:
-    t_before = max(row[3] for row in before if row[1] == at - 1)
-    t_after = max(row[3] for row in after if row[1] == at)
-    return float(t_after - t_before - median)
-
-
-def _median(rows: list[list[Any]], first: int, last: int) -> float:
-    return float(statistics.median(row[4] for row in rows if first <= row[1] < last))
 
 
 def _migration(
@@ -251,14 +238,14 @@ def _migration(
         job.wait()
     finally:
         job.terminate()
-    rows = _steps(_records(out))
-    median = _median(rows, 2, args.prepare_at)
+    rows = measure.step_rows(measure.records(out))
+    median = measure.median_step(rows, 2, args.prepare_at)
     members = [a for a in acks if a.downtime is not None]
     joiner = next(a for a in members if a.node == "standby0")
     at = next(a for a in acks if a.node == "worker1").at_step  # steps done before the switch
     assert at is not None
     result: dict[str, Any] = {
-        "downtime_s": _downtime(rows, rows, at, median),
+        "downtime_s": measure.downtime(rows, rows, at, median),
         "median_step_s": median,
         "switched_after_step": at,
         "breakdown": {
@@ -280,40 +267,12 @@ def _migration(
     }
     for name, during in windows.items():
         if before and during:
-            result[name] = _slowdown(before, during, reference_rows)
+            result[name] = measure.slowdown(before, during, reference_rows)
             result[name.replace("slowdown", "steps")] = sorted({r[1] for r in during})
     rss_before = max(r[5] for r in before)
     rss_after = max(r[5] for r in rows if r[0] != 1 and r[3] > t_prepare)
     result["stayer_rss_overhead"] = (rss_after - rss_before) / rss_before
     return result
-
-
-def _step_noise(reference: dict[tuple[int, int], list[Any]]) -> float:
-    """How far an ordinary step of the unmigrated run strays from the median, measured
-    like a downtime (gap between the latest rank's ends of two steps, minus the median
-    gap): the 90th percentile of its size. A downtime under it is not measurable."""
-    ends: dict[int, float] = {}
-    for (_rank, step), row in reference.items():
-        ends[step] = max(ends.get(step, 0.0), row[3])
-    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s >= 3 and s - 1 in ends]
-    if not gaps:
-        return 0.0  # too few steps to tell
-    median = statistics.median(gaps)
-    devs = sorted(abs(g - median) for g in gaps)
-    return float(devs[int(0.9 * (len(devs) - 1))])
-
-
-def _worst(method: dict[str, Any]) -> float:
-    return float(max(method["downtime_s"], method.get("runtime_downtime_s", 0.0)))
-
-
-def _slowdown(
-    before: list[list[Any]], during: list[list[Any]], reference: dict[Any, list[Any]]
-) -> float:
-    mine = statistics.mean(r[4] for r in during) / statistics.mean(r[4] for r in before)
-    ref_during = statistics.mean(reference[(r[0], r[1])][4] for r in during)
-    ref_before = statistics.mean(reference[(r[0], r[1])][4] for r in before)
-    return float(mine / (ref_during / ref_before) - 1)
 
 
 def _checkpoint_restart(out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -326,14 +285,14 @@ def _checkpoint_restart(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         second.wait()
     finally:
         first.terminate()
-    before, after = _records(out / "before"), _records(out / "after")
-    rows_before, rows_after = _steps(before), _steps(after)
-    median = _median(rows_before, 2, at)
+    before, after = measure.records(out / "before"), measure.records(out / "after")
+    rows_before, rows_after = measure.step_rows(before), measure.step_rows(after)
+    median = measure.median_step(rows_before, 2, at)
     save_start = min(r["save"][0] for r in before)
     save_end = max(r["save"][1] for r in before)
     return {
         "loss": {(r[0], r[1]): r[2] for r in rows_before + rows_after},
-        "downtime_s": _downtime(rows_before, rows_after, at, median),
+        "downtime_s": measure.downtime(rows_before, rows_after, at, median),
         "median_step_s": median,
         "breakdown": {
             "stop_s": max(
@@ -359,11 +318,11 @@ def _failover(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         job.terminate()
     t_kill = json.loads((out / "killed.json").read_text())["t_kill"]
-    rows = _steps(_records(out))
+    rows = measure.step_rows(measure.records(out))
     done = [r for r in rows if r[1] == at]
     return {
         "downtime_s": max(r[3] for r in done) - t_kill,
-        "median_step_s": _median(rows, 2, at),
+        "median_step_s": measure.median_step(rows, 2, at),
         "ranks_completing_step": sorted(r[0] for r in done),
         "exit_codes": codes,
         "loss": {(r[0], r[1]): r[2] for r in rows},
@@ -376,7 +335,7 @@ def _reference(out: Path, args: argparse.Namespace) -> dict[tuple[int, int], lis
         job.wait()
     finally:
         job.terminate()
-    return {(r[0], r[1]): r for r in _steps(_records(out))}
+    return {(r[0], r[1]): r for r in measure.step_rows(measure.records(out))}
 
 
 def _telemetry_overhead(median_step_s: float, steps: int = 20_000) -> dict[str, float]:
@@ -406,17 +365,6 @@ def _telemetry_overhead(median_step_s: float, steps: int = 20_000) -> dict[str, 
     }
 
 
-def _losses(out: Path) -> dict[tuple[int, int], float]:
-    return {(r[0], r[1]): r[2] for r in _steps(_records(out))}
-
-
-def _loss_match(got: dict[tuple[int, int], float], reference: dict[Any, list[Any]]) -> bool:
-    """Same (rank, step) losses as the unmigrated run, within 1e-6."""
-    return set(got) == set(reference) and all(
-        abs(got[k] - reference[k][2]) <= 1e-6 for k in reference
-    )
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
@@ -439,7 +387,7 @@ def main(argv: list[str]) -> int:
         restart = _checkpoint_restart(out / "restart", args)
         failover = _failover(out / "failover", args)
         failover_losses = failover.pop("loss")
-        noise = _step_noise(reference)
+        noise = measure.step_noise(reference)
         result: dict[str, Any] = {
             "nproc": args.nproc,
             "steps": args.steps,
@@ -450,15 +398,16 @@ def main(argv: list[str]) -> int:
             # Ratios use the larger of the two measurements of each switch (latest
             # rank from the step records; worst rank as the runtime reports it), so
             # a live downtime lost in step-time noise cannot inflate them.
-            "ratio_checkpoint_restart": restart["downtime_s"] / _worst(live),
+            "ratio_checkpoint_restart": restart["downtime_s"] / measure.worst(live),
             # A live downtime inside step-time noise makes the ratio above unbounded;
             # this one divides by the noise instead when the downtime is smaller.
             "step_noise_s": noise,
-            "ratio_checkpoint_restart_vs_noise": restart["downtime_s"] / max(_worst(live), noise),
-            "ratio_cold_standby": _worst(cold) / _worst(live),
-            "loss_match": _loss_match(_losses(out / "live"), reference),
-            "loss_match_cold_standby": _loss_match(_losses(out / "cold"), reference),
-            "loss_match_checkpoint_restart": _loss_match(restart.pop("loss"), reference),
+            "ratio_checkpoint_restart_vs_noise": restart["downtime_s"]
+            / max(measure.worst(live), noise),
+            "ratio_cold_standby": measure.worst(cold) / measure.worst(live),
+            "loss_match": measure.loss_match(measure.losses(out / "live"), reference),
+            "loss_match_cold_standby": measure.loss_match(measure.losses(out / "cold"), reference),
+            "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
             # the killed rank's losses before the kill died with it
             "loss_match_failover": all(
                 abs(v - reference[k][2]) <= 1e-6 for k, v in failover_losses.items()

@@ -23,13 +23,44 @@ import tempfile
 import time
 from array import array
 from contextlib import ExitStack, suppress
+from multiprocessing.process import BaseProcess
 from typing import Any
 
+import aiomqtt
+
 from tmd import config as config_mod
-from tmd import wire
 from tmd.daemon.daemon import Daemon
+from tmd.daemon.ingest import Ingest
 from tmd.tools import synth
 from tmd.tools.mosquitto import Mosquitto
+
+
+class BenchIngest(Ingest):
+    """The daemon's ingest, measured: the latency of every batch applied (publish to
+    applied, exact rather than histogram buckets), and with ``stock_iterator`` the
+    baseline: aiomqtt's stock iterator (a task per message) feeding the same handler."""
+
+    def __init__(self, daemon: Daemon, *, stock_iterator: bool) -> None:
+        super().__init__(
+            mqtt=daemon.config.mqtt,
+            config=daemon.config.ingest,
+            view=daemon.view,
+            bus=daemon.bus,
+            metrics=daemon.metrics,
+            clock=daemon.clock,
+        )
+        self.latencies: array[float] = array("d")
+        self._stock_iterator = stock_iterator
+
+    def _apply(
+        self, kind: str, owner: str, rank: int | None, message: Any, now: float, *, publish: bool
+    ) -> None:
+        super()._apply(kind, owner, rank, message, now, publish=publish)
+        if kind == "iter":
+            self.latencies.append(now - message.ts)
+
+    def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
+        return None if self._stock_iterator else super()._queue_type()
 
 
 def _percentile(values: array[float], q: float) -> float | None:
@@ -51,32 +82,52 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
+def _config(host: str, port: int, ranks: int, state: str) -> config_mod.Config:
+    return config_mod.from_dict(
+        {
+            "mqtt": {"host": host, "port": port},
+            "api": {"port": 0},
+            "journal": {"path": f"{state}/journal.sqlite3"},
+            "ingest": {
+                "max_nodes": max(65536, ranks),
+                "max_ranks": max(1 << 17, ranks),
+                "max_ranks_per_job": max(1 << 17, ranks),
+                "reject_log_interval_s": 5.0,
+            },
+        }
+    )
+
+
+async def _publish(spec: synth.SynthSpec) -> tuple[synth.SynthResult, BaseProcess]:
+    """Run the synthetic publisher to its end; its result and its process."""
+    proc, results = synth.start(spec)
+    result: synth.SynthResult | None = None
+    while result is None:
+        await asyncio.sleep(0.2)
+        if not results.empty():
+            result = results.get()
+        elif not proc.is_alive() and results.empty():
+            raise RuntimeError(f"publisher exited with {proc.exitcode}")
+    return result, proc
+
+
+async def _drain(daemon: Daemon, rank_steps: int) -> None:
+    """Wait until the view stops growing."""
+    view_steps = -1
+    for _ in range(100):
+        await asyncio.sleep(0.2)
+        now_steps = daemon.view.total_steps()
+        if now_steps == view_steps and now_steps >= rank_steps:
+            break
+        view_steps = now_steps
+
+
 async def _measure(
     *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
-        cfg = config_mod.from_dict(
-            {
-                "mqtt": {"host": host, "port": port},
-                "api": {"port": 0},
-                "journal": {"path": f"{state}/journal.sqlite3"},
-                "ingest": {
-                    "max_nodes": max(65536, ranks),
-                    "max_ranks": max(1 << 17, ranks),
-                    "max_ranks_per_job": max(1 << 17, ranks),
-                    "reject_log_interval_s": 5.0,
-                },
-            }
-        )
-        daemon = Daemon(cfg)
-        latencies: array[float] = array("d")
-
-        def record(batch: wire.IterBatch, now: float) -> None:
-            latencies.append(now - batch.ts)
-
-        daemon.ingest.on_iter = record
-        if stock_iterator:
-            daemon.ingest.use_stock_iterator = True
+        daemon = Daemon(_config(host, port, ranks, state))
+        ingest = daemon.ingest = BenchIngest(daemon, stock_iterator=stock_iterator)
         task = asyncio.create_task(daemon.run())
         await asyncio.wait_for(daemon.ready.wait(), 30)
         spec = synth.SynthSpec(
@@ -84,22 +135,8 @@ async def _measure(
         )
         rss_before = _rss_mb()
         cpu0, wall0 = _cpu_s(), time.monotonic()
-        proc, results = synth.start(spec)
-        result: synth.SynthResult | None = None
-        while result is None:
-            await asyncio.sleep(0.2)
-            if not results.empty():
-                result = results.get()
-            elif not proc.is_alive() and results.empty():
-                raise RuntimeError(f"publisher exited with {proc.exitcode}")
-        # Drain: wait until the view stops growing.
-        view_steps = -1
-        for _ in range(100):
-            await asyncio.sleep(0.2)
-            now_steps = daemon.view.total_steps()
-            if now_steps == view_steps and now_steps >= result.rank_steps:
-                break
-            view_steps = now_steps
+        result, proc = await _publish(spec)
+        await _drain(daemon, result.rank_steps)
         cpu_s = _cpu_s() - cpu0
         wall_s = time.monotonic() - wall0
         proc.join(5)
@@ -113,6 +150,7 @@ async def _measure(
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
+        latencies = ingest.latencies
         messages = result.messages
         return {
             "ranks": ranks,

@@ -1,0 +1,47 @@
+"""The reconnect back-off shared by ingest and the agent."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tmd.connection import Backoff
+
+
+def test_the_delay_doubles_up_to_the_maximum() -> None:
+    backoff = Backoff(min_s=0.5, max_s=3.0)
+    delays = []
+    for _ in range(6):
+        delays.append(backoff.delay)
+        backoff.next()
+    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize(("draw", "share"), [(0.0, 0.5), (0.5, 0.75), (0.999999, 0.9999995)])
+def test_each_wait_is_jittered_to_half_to_all_of_the_delay(
+    monkeypatch: pytest.MonkeyPatch, draw: float, share: float
+) -> None:
+    monkeypatch.setattr(random, "random", lambda: draw)
+    backoff = Backoff(min_s=2.0, max_s=8.0)
+    assert [backoff.next() for _ in range(4)] == pytest.approx(
+        [2 * share, 4 * share] + [8 * share] * 2
+    )
+
+
+def test_waits_stay_within_the_bounds() -> None:
+    backoff = Backoff(min_s=0.1, max_s=1.0)
+    waits = [backoff.next() for _ in range(200)]
+    assert all(0.05 <= w <= 1.0 for w in waits)
+    assert max(waits[10:]) > 0.5  # reached the maximum and stayed there
+
+
+def test_reset_starts_over_from_the_minimum() -> None:
+    backoff = Backoff(min_s=0.5, max_s=30.0)
+    for _ in range(5):
+        backoff.next()
+    assert backoff.delay == 16.0
+    backoff.reset()
+    assert backoff.delay == 0.5
+    backoff.next()
+    assert backoff.delay == 1.0
