@@ -17,7 +17,8 @@ from tmd.runtime.checkpoint import EX_RESTART, run
 from tmd.runtime.control import JobController, StoreControl
 from tmd.runtime.data import ResumableSampler
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.session import Session, SessionConfig, session
+from tmd.runtime.session import Session, session
+from tmd.runtime.session_config import SessionConfig
 
 __all__ = [
     "EX_RESTART",

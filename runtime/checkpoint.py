@@ -1,7 +1,7 @@
 """Periodic checkpoints and the global rollback: the fallback where no replica can serve.
 
 Every ``SessionConfig.checkpoint_every`` steps, at the step boundary, every worker
-writes its part (``baselines.write_checkpoint``: the bulk state on rank 0, its own
+writes its part (``checkpoint_io.write_checkpoint``: the bulk state on rank 0, its own
 small state on every rank) into ``{checkpoint_dir}/.tmp-step-{n:09d}`` and counts
 itself in the store. Rank 0 waits until every rank has, writes the commit marker
 and renames the directory to ``step-{n:09d}``. A checkpoint is complete exactly
@@ -148,7 +148,8 @@ def _root(session: Session) -> Path:
 
 def save(session: Session) -> int | None:
     """Every worker, at the same boundary. Returns the step committed (on rank 0), or
-    None: another rank, or a checkpoint given up because a rank failed or was late."""
+    None: another rank, or (on rank 0) a checkpoint dropped because a rank failed or
+    was late."""
     root, step, store = _root(session), session.state.step, session.store
     tmp = root / f"{_TMP_PREFIX}{step:09d}"
     done, failed = f"tmd/ckpt/{step}/done", f"tmd/ckpt/{step}/failed"
@@ -164,7 +165,7 @@ def save(session: Session) -> int | None:
     while int(store.add(done, 0)) < session.world_size:
         # A rank that died before writing never counts itself: the failover that
         # follows at the next collective takes over, and this checkpoint is dropped.
-        if session._member_failed() or time.monotonic() > deadline:
+        if session.member_failed() or time.monotonic() > deadline:
             break
         time.sleep(0.002)
     else:
@@ -172,7 +173,6 @@ def save(session: Session) -> int | None:
             commit(tmp, root, step=step, world_size=session.world_size)
             prune(root)
             return step
-    session.checkpoints_dropped += 1
     log.warning("checkpoint at step %d dropped: not every rank wrote its part", step)
     return None
 

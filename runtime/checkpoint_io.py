@@ -70,11 +70,3 @@ def load_checkpoint(session: Session, directory: Path) -> None:
     )
     small = torch.load(directory / f"small-rank{session.rank}.pt", weights_only=False)
     session.state.load_small_state(small)
-
-
-def latest_step(directory: Path) -> int | None:
-    """The step a checkpoint in ``directory`` was taken at, if there is one."""
-    path = directory / "small-rank0.pt"
-    if not path.exists():
-        return None
-    return int(torch.load(path, weights_only=False)["step"])

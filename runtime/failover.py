@@ -18,7 +18,7 @@ all-reduce of ``t`` fails, and none of them has applied ``t``. Each survivor the
    still-intact local gradients, while the standby computes the dead rank's
    gradients for ``t`` in the user's loop. Step ``t`` completes at full size, and
    the donor acks ``switched`` for ``failover-g{generation}`` with the downtime:
-   step ``t``'s duration minus a median step (``Session._finish_failovers``).
+   step ``t``'s duration minus a median step (``Recovery.downtime``).
 
 Should a member of the new group die during that re-run, the same protocol runs
 again for the next generation. Where this cannot serve (more than one rank lost,
@@ -29,6 +29,9 @@ raises ``RestartRequired``: the job is restarted and every rank resumes from the
 latest checkpoint (``tmd.runtime.checkpoint``).
 
 The dead rank's RNG streams are lost with it; the joiner continues with the donor's.
+
+Both sides end in a ``Reconfiguration`` (the survivors' in ``Recovery.change``) that
+the session applies; nothing here writes the session's group or membership.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from torch._C._distributed_c10d import Store
 
+from tmd import wire
 from tmd.errors import MigrationError, RestartRequired
 from tmd.runtime.checkpoint import latest_step
 from tmd.runtime.control import put, standbys
 from tmd.runtime.group import make_group
-from tmd.runtime.migration import Membership
+from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.transfer import Kind, TransferChannel
 
 if TYPE_CHECKING:
@@ -70,6 +74,19 @@ class Recovery:
     """Building the next generation's group."""
     resumed: float
     """``time.monotonic()`` when the re-run of the failed step began."""
+    change: Reconfiguration
+    """This survivor's place in the next generation's group."""
+
+    def downtime(self, step_start: float, step_end: float, median_step_s: float) -> wire.Downtime:
+        """The failed step against a median one: what the failure cost the job, from
+        the start of the step whose collective failed to the end of its re-run."""
+        return wire.Downtime(
+            total_s=max(0.0, step_end - step_start - median_step_s),
+            stop_s=self.detect_s,
+            transfer_s=self.transfer_s,
+            switch_s=self.build_s,
+            first_step_s=max(0.0, step_end - self.resumed),
+        )
 
 
 def plan_key(node: str) -> str:
@@ -91,14 +108,12 @@ def failure_reported(store: Store, generation: int) -> bool:
 
 
 def recover(session: Session, error: BaseException, *, collective_started: float) -> Recovery:
-    """Survivor side. On return ``session.group`` is the new full-size group; where
+    """Survivor side, with no planned migration left open. Returns this survivor's
+    part, its place in the new full-size group included (``Recovery.change``); where
     no standby can take the dead rank's place this acks ``failed`` and raises
     ``RestartRequired``."""
     gen = session.membership.generation
     prefix, migration_id = _prefix(gen), f"failover-g{gen}"
-    if session.migration is not None:  # a planned migration cannot survive this
-        session.migration.close(tell_joiner=True)
-        session.migration = None
     try:
         decision = _agree(session, prefix)
         detect_s = time.monotonic() - collective_started
@@ -161,10 +176,9 @@ def _plan(session: Session, decision: Decision, prefix: str) -> dict[str, Any]:
 
 
 def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: float) -> Recovery:
-    store, me, gen = session.store, session.rank, session.membership.generation
+    store, me = session.store, session.rank
     cfg, dead, donor = session.config, int(plan["dead"]), int(plan["donor"])
-    nodes = list(session.membership.nodes)
-    nodes[dead] = plan["joiner"]
+    after = session.membership.replaced(dead, plan["joiner"])
     started = time.monotonic()
     if me == donor:
         pair = make_group(store, f"{prefix}/xfer", rank=0, size=2, timeout=cfg.group_timeout,
@@ -172,8 +186,8 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
         channel = TransferChannel(pair, is_leaver=True)
         payload = {
             "rank": dead,
-            "nodes": nodes,
-            "generation": gen + 1,
+            "nodes": list(after.nodes),
+            "generation": after.generation,
             "migration_id": plan["id"],
             "manifest": session.state.manifest(),
         }
@@ -186,14 +200,10 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
                        timeout=cfg.group_timeout, backend=session.env.backend,
                        host=session.env.host)  # fmt: skip
     built = time.monotonic()
-    session._retired.append(session.group)
-    session.group = group
-    session.membership = Membership(gen + 1, nodes)
-    session.telemetry.set_rank(me, gen + 1)
-    session.publish_status()
     return Recovery(
         id=plan["id"], dead=dead, joiner=plan["joiner"], is_donor=me == donor,
         detect_s=detect_s, transfer_s=sent - started, build_s=built - sent, resumed=built,
+        change=Reconfiguration(group, after, rank=me),
     )  # fmt: skip
 
 
@@ -202,8 +212,7 @@ def _give_up(session: Session, migration_id: str, reason: str, error: BaseExcept
     failure = RestartRequired(
         reason, checkpoint_step=None if directory is None else latest_step(Path(directory))
     )
-    session.outcomes[migration_id] = "failed"
-    session.ack(migration_id, "failed", detail=str(failure))
+    session.commands.settle(migration_id, "failed", detail=str(failure))
     session.publish_status()
     raise failure from error
 
@@ -213,9 +222,7 @@ def _make_plan(session: Session, *, dead: int, donor: int, prefix: str) -> dict[
     wait_s = session.config.standby_wait.total_seconds()
     deadline = time.monotonic() + wait_s
     while True:  # a standby still warming up may become ready in time
-        ready = sorted(
-            s.node for s in standbys(session.store) if s.state == "ready" and s.node not in members
-        )
+        ready = wire.ready_standbys(standbys(session.store), members)
         if ready or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
@@ -253,8 +260,8 @@ def _small_for(session: Session, rank: int) -> dict[str, Any]:
     return small
 
 
-def take_over(session: Session, plan: dict[str, Any]) -> None:
-    """Standby side: receive the donor's state and become the dead rank."""
+def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
+    """Standby side: receive the donor's state; returns the dead rank's place."""
     cfg, env, store = session.config, session.env, session.store
     prefix = plan["prefix"]
     pair = make_group(store, f"{prefix}/xfer", rank=1, size=2, timeout=cfg.group_timeout,
@@ -264,14 +271,10 @@ def take_over(session: Session, plan: dict[str, Any]) -> None:
     channel.recv_tensors(session.state.receive_tensors(meta["manifest"]))
     _, small = channel.recv()
     session.state.load_small_state(small)
-    session._capture_boundary()  # what to hand on should this step fail too
+    session.capture_boundary()  # what to hand on should this step fail too
     rank = int(meta["rank"])
     group = make_group(store, f"{prefix}/world", rank=rank, size=int(plan["world_size"]),
                        timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip
-    session.timing.durations.clear()
-    session.timing.durations.append(float(small.get("median_step_s", 0.0)))
-    session.role = "worker"
-    session.rank = rank
-    session.group = group
-    session.membership = Membership(int(meta["generation"]), list(meta["nodes"]))
-    session.telemetry.set_rank(rank, session.membership.generation)
+    membership = Membership(int(meta["generation"]), tuple(meta["nodes"]))
+    return Reconfiguration(group, membership, rank=rank,
+                           median_step_s=float(small.get("median_step_s", 0.0)))  # fmt: skip

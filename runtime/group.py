@@ -14,7 +14,6 @@ nothing above this module knows which backend it talks to.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -111,14 +110,10 @@ class GroupBuilder:
         host: str = "",
     ) -> None:
         self.prefix = prefix
-        self.rank = rank
-        self.size = size
         self._group: Group | None = None
         self._error: BaseException | None = None
         self._abandoned = False
         self._done = threading.Event()
-        self.started = time.monotonic()
-        self.elapsed_s = 0.0
 
         def build() -> None:
             try:
@@ -131,7 +126,6 @@ class GroupBuilder:
             except BaseException as exc:  # reported at the next boundary, never raised here
                 self._error = exc
             finally:
-                self.elapsed_s = time.monotonic() - self.started
                 self._done.set()
 
         self._thread = threading.Thread(target=build, name=f"tmd-group-{prefix}", daemon=True)

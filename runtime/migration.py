@@ -22,6 +22,7 @@ from tmd import wire
 from tmd.errors import MigrationError
 from tmd.runtime.group import Group, GroupBuilder, StoreAddress
 from tmd.runtime.liveness import PeerWatch
+from tmd.runtime.membership import Membership
 from tmd.runtime.state import TrainState
 from tmd.runtime.transfer import Kind, TransferChannel
 
@@ -35,25 +36,6 @@ def world_prefix(migration_id: str) -> str:
 
 def xfer_prefix(migration_id: str) -> str:
     return f"tmd/mig/{migration_id}/xfer"
-
-
-@dataclass
-class Membership:
-    """Who holds which rank in the current generation."""
-
-    generation: int
-    nodes: list[str]  # index: rank
-
-    def rank_of(self, node: str) -> int:
-        try:
-            return self.nodes.index(node)
-        except ValueError:
-            raise MigrationError(
-                f"{node} is not a member of generation {self.generation}"
-            ) from None
-
-    def members(self) -> list[wire.Member]:
-        return [wire.Member(rank, node) for rank, node in enumerate(self.nodes)]
 
 
 @dataclass
@@ -193,10 +175,9 @@ class Migration:
         stayers; the bulk state follows later (``_send_snapshot``)."""
         assert self.builder is not None
         self.channel = TransferChannel(self.builder.result(), is_leaver=True)
-        nodes = list(membership.nodes)
-        nodes[self.leaver_rank] = self.prepare.joiner
-        hello = {"rank": self.leaver_rank, "nodes": nodes,
-                 "generation": membership.generation + 1, "migration_id": self.id}  # fmt: skip
+        after = membership.replaced(self.leaver_rank, self.prepare.joiner)
+        hello = {"rank": self.leaver_rank, "nodes": list(after.nodes),
+                 "generation": after.generation, "migration_id": self.id}  # fmt: skip
         self.channel.send(Kind.HELLO, 0, hello)
 
     def _send_snapshot(self, state: TrainState) -> None:

@@ -71,6 +71,7 @@ class MqttControl:
         host, port = parse_broker(broker)
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"tmd-runtime-{job}-{node}")
         client.on_connect = self._on_connect
+        client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
         client.reconnect_delay_set(min_delay=1, max_delay=10)
         client.connect_async(host, port, keepalive=int(keepalive.total_seconds()))
@@ -86,6 +87,10 @@ class MqttControl:
         client.subscribe(
             [(wire.job_topic(self.job, "ctl"), 1), (wire.job_topic(self.job, "status"), 1)]
         )
+
+    def _on_subscribe(self, _c: paho.Client, _u: Any, _mid: Any, _codes: Any, _p: Any) -> None:
+        # The broker's SUBACK, not its CONNACK: only from here on is a command on the
+        # ctl topic delivered to this process.
         self._connected.set()
 
     def _on_message(self, _c: paho.Client, _u: Any, message: paho.MQTTMessage) -> None:

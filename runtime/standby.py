@@ -13,15 +13,18 @@ Joining (the joiner's half of the protocol):
    shadow-warmed tensors (the shadow state is disposable); then lock-step: apply
    every ``GRADS`` message with the session's own update, so the bulk state stays
    bit-identical to the leaver's;
-3. on ``SWITCH``: load the small state, commit on the new group, return to the
-   user's loop as a worker. On ``ABORT`` (or any failure) go back to standing by.
+3. on ``SWITCH``: load the small state, commit on the new group, and hand the
+   session this process's place in it (a ``Reconfiguration``); the session makes it
+   a worker and the user's loop carries on as that rank. On ``ABORT`` (or any
+   failure) go back to standing by.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -31,7 +34,9 @@ from tmd.runtime.control import register_standby
 from tmd.runtime.failover import plan_key, take_over
 from tmd.runtime.group import GroupBuilder
 from tmd.runtime.liveness import Heartbeat
-from tmd.runtime.migration import Membership, world_prefix, xfer_prefix
+from tmd.runtime.membership import Membership, Reconfiguration
+from tmd.runtime.migration import world_prefix, xfer_prefix
+from tmd.runtime.timing import PendingSwitch
 from tmd.runtime.transfer import Kind, TransferChannel
 
 if TYPE_CHECKING:
@@ -45,29 +50,27 @@ def announce(session: Session, state: Literal["warming", "ready", "joining", "fa
     )
 
 
-def stand_by(session: Session) -> None:
-    """Block until this standby has joined the job, or the job stopped."""
-    session.warmup_s = time.monotonic() - session.created
+def stand_by(session: Session) -> Reconfiguration | None:
+    """Block until this standby has joined the job (its place in the group), or the
+    job stopped (None)."""
     announce(session, "ready")
     # The standby has nothing else to do: poll often, a failover waits on it.
     poll = min(session.config.control_poll.total_seconds(), 0.01)
     plan = plan_key(session.env.node)
     while True:
         if session.control.stopped():
-            session.stopped = True
-            return
+            return None
         if session.store.check([plan]):
-            take_over(session, json.loads(bytes(session.store.get(plan))))
-            return
+            return take_over(session, json.loads(bytes(session.store.get(plan))))
         for message in session.control.poll():
             if not isinstance(message, wire.Prepare) or message.joiner != session.env.node:
                 continue
-            if message.migration_id in session.seen:
+            if not session.commands.first_seen(message.migration_id):
                 continue
-            session.seen.add(message.migration_id)
             try:
-                if join(session, message):
-                    return
+                joined = join(session, message)
+                if joined is not None:
+                    return joined
             except (MigrationError, RuntimeError) as exc:
                 session.ack(message.migration_id, "failed", detail=str(exc))
             announce(session, "ready")
@@ -88,44 +91,97 @@ def _wait_built(session: Session, builder: GroupBuilder, migration_id: str) -> b
     return True
 
 
-def join(session: Session, prepare: wire.Prepare) -> bool:
-    """Run one migration as its joiner; True once this process is a worker."""
+def join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
+    """Run one migration as its joiner: this process's place in the new group, or
+    None where the migration was aborted."""
     beat = session.config.joiner_timeout / 10
     with Heartbeat(session.env.store, session.env.node, interval=beat):  # the leaver watches
         return _join(session, prepare)
 
 
-def _join(session: Session, prepare: wire.Prepare) -> bool:
+def _join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
     mid = prepare.migration_id
     announce(session, "joining")
+    prepared = _prepare(session, mid)
+    if prepared is None:
+        session.ack(mid, "aborted")
+        return None
+    session.ack(mid, "prepared")
+    # The bulk state comes once a switch is requested; until then this waits idle.
+    arrived = _follow(session, prepared.channel)
+    world = prepared.world
+    if arrived is None:
+        world.abandon()
+        session.ack(mid, "aborted")
+        return None
+    if not world.wait(session.config.group_timeout):
+        raise MigrationError("next group not built at the switch")
+    group = world.result()
+    total = torch.tensor([1], dtype=torch.int64)
+    group.allreduce([total]).wait()
+    if int(total.item()) != len(prepared.membership.nodes):
+        raise MigrationError("commit on the new group did not see every member")
+    # From here on this process is the leaver's rank. If the old members fail to
+    # commit, they drop the new group and this rank's next collective fails.
+    resumed = time.monotonic()
+    timing = PendingSwitch(
+        mid, last_step_end=arrived.started, resumed=resumed, transfer_s=arrived.transfer_s,
+        switch_s=max(0.0, resumed - arrived.started - arrived.transfer_s),
+    )  # fmt: skip
+    return Reconfiguration(group, prepared.membership, rank=prepared.rank, switch=timing,
+                           median_step_s=arrived.median_step_s)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Phase 1 done: the leaver said who to be, and the next group is built."""
+
+    channel: TransferChannel
+    membership: Membership
+    rank: int
+    world: GroupBuilder
+
+
+def _prepare(session: Session, mid: str) -> _Prepared | None:
+    """Phase 1: the channel to the leaver, which says the rank and members to join
+    as, and the next group built with the stayers. None: aborted."""
     cfg, env = session.config, session.env
     pair = GroupBuilder(env.store, xfer_prefix(mid), rank=1, size=2, timeout=cfg.group_timeout,
                         backend="gloo", host=env.host)  # fmt: skip
     if not _wait_built(session, pair, mid):
-        session.ack(mid, "aborted")
-        return False
+        return None
     channel = TransferChannel(pair.result(), is_leaver=False)
     header, hello = channel.recv()
     if header.kind is Kind.ABORT:
-        session.ack(mid, "aborted")
-        return False
+        return None
     if header.kind is not Kind.HELLO:
         raise MigrationError(f"expected hello, got {header.kind.name}")
-    membership = Membership(int(hello["generation"]), list(hello["nodes"]))
+    membership = Membership(int(hello["generation"]), tuple(hello["nodes"]))
     rank = int(hello["rank"])
     world = GroupBuilder(env.store, world_prefix(mid), rank=rank, size=len(membership.nodes),
                          timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip
     if not _wait_built(session, world, mid):
-        session.ack(mid, "aborted")
-        return False
+        return None
     world.result()  # raises if the build failed
-    session.ack(mid, "prepared")
-    # The bulk state comes once a switch is requested; until then this waits idle.
+    return _Prepared(channel, membership, rank, world)
+
+
+@dataclass(frozen=True)
+class _Arrived:
+    """The leaver's state is all here and loaded."""
+
+    started: float
+    """Where the switch's downtime starts for the joiner."""
+    transfer_s: float
+    median_step_s: float
+
+
+def _follow(session: Session, channel: TransferChannel) -> _Arrived | None:
+    """Phase 2: receive the bulk snapshot, follow the leaver in lock-step, and load
+    the small state the switch brings. None: aborted."""
     header, manifest = channel.recv()
     if header.kind is Kind.ABORT:
-        world.abandon()
-        session.ack(mid, "aborted")
-        return False
+        return None
     if header.kind is not Kind.SNAPSHOT:
         raise MigrationError(f"expected a snapshot, got {header.kind.name}")
     state = session.state
@@ -147,42 +203,14 @@ def _join(session: Session, prepare: wire.Prepare) -> bool:
         elif header.kind is Kind.SWITCH:
             break
         elif header.kind is Kind.ABORT:
-            world.abandon()
-            session.ack(mid, "aborted")
-            return False
+            return None
         else:
             raise MigrationError(f"unexpected {header.kind.name} in lock-step")
     # Without lock-step (cold standby) the whole snapshot was part of the switch.
     cold = lockstep_steps == 0
     started = snapshot_started if cold else time.monotonic()
-    small_started = received
-    small = payload
+    small: dict[str, Any] = payload
     state.load_small_state(small)
-    session._capture_boundary()  # what to hand on should the first step fail
-    session.timing.durations.clear()
-    session.timing.durations.append(float(small.get("median_step_s", 0.0)))
-    transfer_s = time.monotonic() - small_started + (snapshot_s if cold else 0.0)
-    if not world.wait(cfg.group_timeout):
-        raise MigrationError("next group not built at the switch")
-    group = world.result()
-    total = torch.tensor([1], dtype=torch.int64)
-    group.allreduce([total]).wait()
-    if int(total.item()) != len(membership.nodes):
-        raise MigrationError("commit on the new group did not see every member")
-    # From here on this process is the leaver's rank. If the old members fail to
-    # commit, they drop the new group and this rank's next collective fails.
-    session.role = "worker"
-    session.rank = rank
-    session.group = group
-    session.membership = membership
-    session.telemetry.set_rank(rank, membership.generation)
-    resumed = time.monotonic()
-    session._pending_switch = {
-        "migration_id": mid,
-        "last_step_end": started,
-        "resumed": resumed,
-        "transfer_s": transfer_s,
-        "switch_s": max(0.0, resumed - started - transfer_s),
-    }
-    session._mark_step_end(resumed)
-    return True
+    session.capture_boundary()  # what to hand on should the first step fail
+    transfer_s = time.monotonic() - received + (snapshot_s if cold else 0.0)
+    return _Arrived(started, transfer_s, float(small.get("median_step_s", 0.0)))

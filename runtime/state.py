@@ -146,20 +146,6 @@ class TrainState:
         for name, obj in self.stateful.items():
             obj.load_state_dict(state["stateful"][name])
 
-    # -- whole (checkpoints) -----------------------------------------------------------
-
-    def full_state_dict(self) -> StateDict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "small": self.small_state(),
-        }
-
-    def load_full_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_small_state(state["small"])
-
 
 def pack(obj: Any) -> torch.Tensor:
     """Pickle ``obj`` into a uint8 tensor a backend can send."""

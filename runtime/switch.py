@@ -12,6 +12,9 @@ here. The switch is two collectives and one small message:
 If step 2 fails anywhere (the joiner died), step 3 says so to all, the new group
 is dropped and training continues on the old group with nothing lost: the leaver
 has not left yet.
+
+These functions run the protocol and say how it ended; the session acts on that
+(``Session.reconfigure`` with the stayer's ``Reconfiguration``, or an abort).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tmd.errors import MigrationError
+from tmd.runtime.membership import Reconfiguration
 from tmd.runtime.migration import Migration
+from tmd.runtime.timing import PendingSwitch
 
 if TYPE_CHECKING:
     from tmd.runtime.session import Session
@@ -49,32 +54,31 @@ def small_state(session: Session) -> dict[str, object]:
     return {**session.state.small_state(), "median_step_s": session.timing.median_step_s()}
 
 
-def switch(session: Session, mig: Migration) -> None:
+def leave(session: Session, mig: Migration) -> bool:
+    """The leaver's half: send the small state, then hear whether every other member
+    committed on the new group. True: this process is out of the job (the migration
+    is closed); False: the switch is aborted and this process stays."""
+    assert session.group is not None
+    try:
+        mig.finish_preparation(session.state, session.membership)
+        mig.send_switch(small_state(session), session.state.step)
+    except MigrationError as exc:
+        mig.abort_reason = str(exc)
+    if _sum(session.group, 0) != session.world_size - 1:
+        return False
+    _step_aside()
+    mig.close(tell_joiner=False)
+    return True
+
+
+def commit(session: Session, mig: Migration) -> Reconfiguration | None:
+    """A stayer's half: commit on the new group, then confirm on the old one. Returns
+    this member's place in the new group, or None: the switch is aborted
+    (``mig.abort_reason`` says why) and everyone stays on the old group."""
     last_step_end = session.timing.step_ends[-1]
     started = time.monotonic()
-    stop_s = started - last_step_end
-    old = session.group
+    old, world = session.group, session.world_size
     assert old is not None
-    world = session.world_size
-    transfer_s = 0.0
-    if mig.is_leaver:
-        try:
-            mig.finish_preparation(session.state, session.membership)
-            mig.send_switch(small_state(session), session.state.step)
-        except MigrationError as exc:
-            mig.abort_reason = str(exc)
-        transfer_s = time.monotonic() - started
-        committed = _sum(old, 0) == world - 1
-        if committed:
-            session.left = True
-            _step_aside()
-            mig.close(tell_joiner=False)
-            session.migration = None
-            session.outcomes[mig.id] = "switched"
-            session.ack(mig.id, "switched", detail="left")
-        else:
-            session._abort(mig)
-        return
     ok = 1
     new = None
     try:
@@ -86,23 +90,11 @@ def switch(session: Session, mig: Migration) -> None:
         mig.abort_reason = f"commit on the new group failed: {exc}"
     if _sum(old, ok) != world - 1 or new is None:
         mig.abort_reason = mig.abort_reason or "another member failed to commit"
-        session._abort(mig)
-        return
-    session._retired.append(old)
-    session.group = new
-    session.membership.nodes[mig.leaver_rank] = mig.prepare.joiner
-    session.membership.generation += 1
-    session.telemetry.set_rank(session.rank, session.membership.generation)
-    session.migration = None
-    session.outcomes[mig.id] = "switched"
+        return None
     resumed = time.monotonic()
-    session._pending_switch = {
-        "migration_id": mig.id,
-        "last_step_end": last_step_end,
-        "resumed": resumed,
-        "stop_s": stop_s,
-        "transfer_s": transfer_s,
-        "switch_s": resumed - started,
-    }
-    session._mark_step_end(resumed)
-    session.publish_status()
+    timing = PendingSwitch(
+        mig.id, last_step_end=last_step_end, resumed=resumed,
+        stop_s=started - last_step_end, switch_s=resumed - started,
+    )  # fmt: skip
+    after = session.membership.replaced(mig.leaver_rank, mig.prepare.joiner)
+    return Reconfiguration(new, after, rank=session.rank, switch=timing)

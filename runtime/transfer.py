@@ -83,9 +83,6 @@ class TransferChannel:
         self._pending = works
         self._keepalive = (header, body)
 
-    def in_flight(self) -> bool:
-        return bool(self._pending)
-
     def flush(self) -> None:
         """Wait until the last message has left; raises if the joiner is gone."""
         works, self._pending = self._pending, []

@@ -1,0 +1,159 @@
+"""The control commands as a member acts on them: prepare, switch and abort.
+
+A member holds at most one planned migration (``Commands.current``). Commands are
+read at the step boundary: a ``prepare`` starts a migration or is refused, a
+``switch`` or ``abort`` marks the current one, and the votes the step's all-reduce
+carried decide, on every member at the same step, whether it switches
+(``tmd.runtime.switch``) or aborts. Commands can come twice (a lost ack, a restarted
+controller) or late: each migration id is acted on once, and a repeat is answered
+with what already happened, with the downtime this member measured if it switched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from tmd import wire
+from tmd.runtime import switch
+from tmd.runtime.migration import VOTE_ABORT, VOTE_READY, Migration
+
+if TYPE_CHECKING:
+    from tmd.runtime.session import Session
+
+AckKind = Literal["prepared", "switched", "failed", "aborted"]
+
+
+class Commands:
+    """One member's planned migration, and its answers to every migration id it saw."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self.current: Migration | None = None
+        self.left = False  # the leaver of a migration that switched: out of the job
+        self.seen: set[str] = set()
+        self.outcomes: dict[str, AckKind] = {}
+        self.downtimes: dict[str, wire.Downtime] = {}  # by migration id, as acked
+
+    # -- at the step boundary ----------------------------------------------------------
+
+    def boundary(self, votes: torch.Tensor) -> None:
+        """Act on the votes of the step that just ended, then on the commands that
+        came in, then move the current migration's preparation forward."""
+        s = self._session
+        mig = self.current
+        if mig is not None:
+            if int(votes[VOTE_ABORT]) > 0:
+                self._abort(mig)
+            elif int(votes[VOTE_READY]) == s.world_size:
+                self._switch(mig)
+        for message in s.control.poll():
+            self._handle(message)
+        mig = self.current
+        if mig is not None:
+            mig.advance(s.state, s.membership)
+            if not mig.prepared_acked and mig.prepared():
+                mig.prepared_acked = True
+                s.ack(mig.id, "prepared")
+
+    def drop(self) -> None:
+        """A member died: a planned migration cannot survive this."""
+        if self.current is not None:
+            self.current.close(tell_joiner=True)
+            self.current = None
+
+    def _switch(self, mig: Migration) -> None:
+        s = self._session
+        if mig.is_leaver:
+            if not switch.leave(s, mig):
+                self._abort(mig)
+                return
+            self.left = True
+            self.current = None
+            self.settle(mig.id, "switched", detail="left")
+            return
+        joined = switch.commit(s, mig)
+        if joined is None:
+            self._abort(mig)
+            return
+        self.current = None
+        self.outcomes[mig.id] = "switched"  # acked with the downtime after the next step
+        s.reconfigure(joined)
+        s.publish_status()
+
+    def _abort(self, mig: Migration) -> None:
+        mig.close(tell_joiner=mig.is_leaver)
+        self.current = None
+        self.settle(mig.id, "aborted", detail=mig.abort_reason or "aborted by a member")
+        self._session.publish_status()
+
+    def _handle(self, message: wire.Prepare | wire.Switch | wire.Abort) -> None:
+        mig = self.current
+        if isinstance(message, wire.Prepare):
+            self._prepare(message)
+        elif mig is not None and message.migration_id == mig.id:
+            if isinstance(message, wire.Switch):
+                mig.switch = message
+            else:
+                mig.abort_reason = message.reason or "aborted by controller"
+        elif message.migration_id in self.outcomes:
+            self._answer_repeat(message.migration_id)
+
+    def _prepare(self, message: wire.Prepare) -> None:
+        s, mig = self._session, self.current
+        if not self.first_seen(message.migration_id):
+            # A repeat (a lost ack, a restarted controller): say where it stands.
+            if mig is not None and mig.id == message.migration_id:
+                if mig.prepared_acked:
+                    s.ack(mig.id, "prepared", detail="already prepared")
+            elif message.migration_id in self.outcomes:
+                self._answer_repeat(message.migration_id)
+            return
+        if mig is not None:
+            self.settle(message.migration_id, "failed", detail=f"busy with {mig.id}")
+            return
+        nodes = s.membership.nodes
+        if message.joiner in nodes or message.leaver not in nodes:
+            self.settle(message.migration_id, "failed", detail="leaver or joiner not valid")
+            return
+        cfg, env = s.config, s.env
+        self.current = Migration.start(
+            message, me=env.node, membership=s.membership, store=env.store,
+            timeout=cfg.group_timeout, backend=env.backend, host=env.host,
+            ahead=cfg.prepare_ahead, eager_copy=cfg.eager_copy,
+            joiner_timeout=cfg.joiner_timeout,
+        )  # fmt: skip
+        s.publish_status("migrating")
+
+    # -- answers -----------------------------------------------------------------------
+
+    def first_seen(self, migration_id: str) -> bool:
+        """True the first time a command for ``migration_id`` reaches this member."""
+        if migration_id in self.seen:
+            return False
+        self.seen.add(migration_id)
+        return True
+
+    def settle(
+        self, migration_id: str, kind: AckKind, *, detail: str = "",
+        downtime: wire.Downtime | None = None,
+    ) -> None:  # fmt: skip
+        """Record how a migration ended for this member, and ack it."""
+        self.outcomes[migration_id] = kind
+        if downtime is not None:
+            self.downtimes[migration_id] = downtime
+        self._session.ack(migration_id, kind, detail=detail, downtime=downtime)
+
+    def measured(self, migration_id: str, downtime: wire.Downtime) -> None:
+        """The first step after a switch has ended: ack the switch with its downtime."""
+        self.downtimes[migration_id] = downtime
+        self._session.ack(migration_id, "switched", downtime=downtime)
+
+    def _answer_repeat(self, migration_id: str) -> None:
+        """A repeated or late command: answer with what already happened, with the
+        downtime this member measured if it switched (a controller that lost the
+        first answer still learns it)."""
+        outcome = self.outcomes[migration_id]
+        self._session.ack(migration_id, outcome, detail=f"already {outcome}",
+                          downtime=self.downtimes.get(migration_id))  # fmt: skip
