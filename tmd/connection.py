@@ -1,5 +1,5 @@
 """The MQTT connection shared by the daemon's ingest and the node agent: clients built
-from ``[mqtt]``, and the back-off between reconnect attempts."""
+from ``[mqtt]``, and the loop that reconnects them with a back-off."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import random
 import secrets
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiomqtt
 
@@ -83,6 +85,36 @@ class Backoff:
 
     def reset(self) -> None:
         self.delay = self.min_s
+
+
+async def reconnect_forever(
+    session: Callable[[], Awaitable[None]],
+    *,
+    config: MqttConfig,
+    log: Any,
+    connected: Callable[[], bool],
+    closed: Callable[[], None],
+    failed: Callable[[], None] = lambda: None,
+    errors: tuple[type[Exception], ...] = (aiomqtt.MqttError,),
+) -> None:
+    """Run ``session`` (connect, work, until the connection is lost) forever. A lost
+    connection (one of ``errors``) is counted (``failed``) and logged; ``closed`` runs
+    after every session; then the loop waits its ``Backoff`` and connects again. The
+    back-off starts over after a session that got ``connected``, so a broker restart
+    costs ``mqtt.reconnect_min_s``, and a broker that refuses us is not hammered."""
+    backoff = Backoff(min_s=config.reconnect_min_s, max_s=config.reconnect_max_s)
+    while True:
+        try:
+            await session()
+        except errors as exc:
+            failed()
+            if connected():
+                backoff.reset()
+            retry_in_s = round(backoff.delay, 2)
+            log.warning("broker connection lost", error=str(exc), retry_in_s=retry_in_s)
+        finally:
+            closed()
+        await asyncio.sleep(backoff.next())
 
 
 def _tls_context(config: MqttConfig) -> ssl.SSLContext:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import aiomqtt
 import pytest
 
-from tmd.connection import Backoff
+from tmd.config import MqttConfig
+from tmd.connection import Backoff, reconnect_forever
 
 
 def test_the_delay_doubles_up_to_the_maximum() -> None:
@@ -45,3 +48,32 @@ def test_reset_starts_over_from_the_minimum() -> None:
     assert backoff.delay == 0.5
     backoff.next()
     assert backoff.delay == 1.0
+
+
+async def test_the_reconnect_loop_counts_each_loss_closes_each_session_and_goes_on() -> None:
+    calls: list[str] = []
+    state = {"connected": False}
+
+    async def session() -> None:
+        calls.append("session")
+        if len([c for c in calls if c == "session"]) == 3:
+            raise asyncio.CancelledError  # the task group ends the loop
+        state["connected"] = len(calls) > 1  # the second session got connected
+        raise aiomqtt.MqttError("lost")
+
+    class Log:
+        def warning(self, what: str, **fields: object) -> None:
+            calls.append(f"{what}: {fields['error']}, retry in {fields['retry_in_s']}")
+
+    config = MqttConfig(reconnect_min_s=0.01, reconnect_max_s=0.04)
+    with pytest.raises(asyncio.CancelledError):
+        await reconnect_forever(
+            session, config=config, log=Log(), connected=lambda: state["connected"],
+            closed=lambda: calls.append("closed"), failed=lambda: calls.append("failed"),
+        )  # fmt: skip
+    assert calls == [
+        "session", "failed", "broker connection lost: lost, retry in 0.01", "closed",
+        # connected before this loss: the back-off starts over (else 0.02)
+        "session", "failed", "broker connection lost: lost, retry in 0.01", "closed",
+        "session", "closed",
+    ]  # fmt: skip

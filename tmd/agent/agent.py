@@ -40,7 +40,7 @@ from tmd import config as config_mod
 from tmd import log, sdnotify, wire
 from tmd.agent.nvml import Nvml, NvmlError, NvmlUnavailable, Sample, Xid, XidEvents
 from tmd.config import Config
-from tmd.connection import Backoff, ClientFactory
+from tmd.connection import ClientFactory, reconnect_forever
 from tmd.errors import ConfigError
 
 T = TypeVar("T")
@@ -190,19 +190,13 @@ class Agent:
     async def _connection_loop(self) -> None:
         """Connect, publish, and on any connection loss back off and connect again;
         the back-off doubles (with jitter) up to ``mqtt.reconnect_max_s``."""
-        backoff = Backoff(min_s=self._mqtt.reconnect_min_s, max_s=self._mqtt.reconnect_max_s)
-        while True:
-            try:
-                await self._session()
-            except aiomqtt.MqttError as exc:
-                if self.connected:
-                    backoff.reset()
-                self._log.warning(
-                    "broker connection lost", error=str(exc), retry_in_s=round(backoff.delay, 2)
-                )
-            finally:
-                self.connected = False
-            await asyncio.sleep(backoff.next())
+        await reconnect_forever(
+            self._session, config=self._mqtt, log=self._log,
+            connected=lambda: self.connected, closed=self._closed,
+        )  # fmt: skip
+
+    def _closed(self) -> None:
+        self.connected = False
 
     async def _session(self) -> None:
         status_topic = wire.node_topic(self.node, "status")

@@ -24,7 +24,7 @@ import aiomqtt
 from tmd import log, wire
 from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
-from tmd.connection import Backoff, ClientFactory
+from tmd.connection import ClientFactory, reconnect_forever
 from tmd.daemon.bus import Bus
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
@@ -195,22 +195,17 @@ class Ingest:
         The back-off doubles on each failed attempt (with jitter, up to
         ``mqtt.reconnect_max_s``) and starts over after a session that got subscribed.
         """
-        backoff = Backoff(min_s=self._mqtt.reconnect_min_s, max_s=self._mqtt.reconnect_max_s)
-        while True:
-            try:
-                await self._session()
-            except (aiomqtt.MqttError, SubscriptionRefused) as exc:
-                self._metrics.mqtt_failures.inc()
-                if self.connected:
-                    backoff.reset()
-                self._log.warning(
-                    "broker connection lost", error=str(exc), retry_in_s=round(backoff.delay, 2)
-                )
-            finally:
-                self.connected = False
-                self._client_now = None
-                self._metrics.mqtt_connected.set(0)
-            await asyncio.sleep(backoff.next())
+        await reconnect_forever(
+            self._session, config=self._mqtt, log=self._log,
+            connected=lambda: self.connected, closed=self._closed,
+            failed=self._metrics.mqtt_failures.inc,
+            errors=(aiomqtt.MqttError, SubscriptionRefused),
+        )  # fmt: skip
+
+    def _closed(self) -> None:
+        self.connected = False
+        self._client_now = None
+        self._metrics.mqtt_connected.set(0)
 
     def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
         """How the client queues incoming messages: not at all, handled inline."""
