@@ -73,7 +73,8 @@ class RebalancePolicy(Policy):
 
     def expected_cost_s(self) -> float:
         measured = statistics.median(self._downtimes) if self._downtimes else None
-        base = measured if measured is not None else self.config.prior_downtime_s
+        # A measured downtime can be slightly negative (cheaper than step noise): free.
+        base = max(0.0, measured) if measured is not None else self.config.prior_downtime_s
         return base * self.config.safety_factor
 
     def tick(self, now: float) -> Iterable[events.Event]:

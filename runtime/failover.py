@@ -72,20 +72,21 @@ class Recovery:
     """The donor's state transfer to the joiner (0 on the other survivors)."""
     build_s: float
     """Building the next generation's group."""
-    resumed: float
-    """``time.monotonic()`` when the re-run of the failed step began."""
     change: Reconfiguration
     """This survivor's place in the next generation's group."""
 
     def downtime(self, step_start: float, step_end: float, median_step_s: float) -> wire.Downtime:
         """The failed step against a median one: what the failure cost the job, from
-        the start of the step whose collective failed to the end of its re-run."""
+        the start of the step whose collective failed to the end of its re-run, minus
+        a median step. Unclamped; ``first_step_s`` is the rest once detection,
+        transfer and the group build are taken out, so the parts add up."""
+        total = step_end - step_start - median_step_s
         return wire.Downtime(
-            total_s=max(0.0, step_end - step_start - median_step_s),
+            total_s=total,
             stop_s=self.detect_s,
             transfer_s=self.transfer_s,
             switch_s=self.build_s,
-            first_step_s=max(0.0, step_end - self.resumed),
+            first_step_s=total - self.detect_s - self.transfer_s - self.build_s,
         )
 
 
@@ -202,7 +203,7 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
     built = time.monotonic()
     return Recovery(
         id=plan["id"], dead=dead, joiner=plan["joiner"], is_donor=me == donor,
-        detect_s=detect_s, transfer_s=sent - started, build_s=built - sent, resumed=built,
+        detect_s=detect_s, transfer_s=sent - started, build_s=built - sent,
         change=Reconfiguration(group, after, rank=me),
     )  # fmt: skip
 

@@ -1,7 +1,9 @@
 """A member's step history, and the downtime of a switch measured against it.
 
 Downtime (``shared/DESIGN.md``) is the time from the end of the last step before a
-switch to the end of the first step after it, minus one median step. The session
+switch (its optimizer update, before the boundary where the switch runs) to the end
+of the first step after it, minus one median step: the switch's own wall time lies
+inside that window. The session
 keeps the history (``StepTimes``); a switch leaves a ``PendingSwitch`` that becomes a
 ``wire.Downtime`` once that first step has ended. All times are ``time.monotonic()``,
 all durations seconds.
@@ -52,12 +54,15 @@ class PendingSwitch:
     switch_s: float = 0.0
 
     def downtime(self, first_step_end: float, median_step_s: float) -> wire.Downtime:
-        first_step_s = first_step_end - self.resumed
+        """The switch's cost, unclamped: its parts add up to the total (``first_step_s``
+        is whatever the first step took beyond a median one, which noise can make
+        negative)."""
         total = first_step_end - self.last_step_end - median_step_s
         return wire.Downtime(
-            total_s=max(0.0, total),
+            total_s=total,
             stop_s=max(0.0, self.stop_s),
             transfer_s=max(0.0, self.transfer_s),
             switch_s=max(0.0, self.switch_s),
-            first_step_s=max(0.0, first_step_s - median_step_s),
-        )
+            first_step_s=total - max(0.0, self.stop_s) - max(0.0, self.transfer_s)
+            - max(0.0, self.switch_s),
+        )  # fmt: skip

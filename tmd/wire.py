@@ -29,6 +29,9 @@ Text = Annotated[str, msgspec.Meta(max_length=1024)]
 """Free text (details, reasons): bounded so a message cannot bloat the view."""
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+SignedSeconds = Annotated[float, msgspec.Meta(ge=-86_400.0, le=86_400.0)]
+"""A measured difference against a median step: below zero when the step it
+describes was faster than the median (step-time noise), never clamped."""
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
 Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
@@ -201,13 +204,17 @@ Control = Prepare | Switch | Abort
 
 
 class Downtime(msgspec.Struct, kw_only=True, frozen=True):
-    """Where a switch's downtime went, as measured by the runtime."""
+    """Where a switch's downtime went, as measured by the runtime: ``total_s`` is the
+    end of the last step before the switch to the end of the first step after it,
+    minus one median step, and the four parts add up to it. ``first_step_s`` is the
+    first step's excess over a median step; it and ``total_s`` are unclamped, so a
+    switch cheaper than the step noise can come out slightly below zero."""
 
-    total_s: Seconds
+    total_s: SignedSeconds
     stop_s: Seconds = 0.0
     transfer_s: Seconds = 0.0
     switch_s: Seconds = 0.0
-    first_step_s: Seconds = 0.0
+    first_step_s: SignedSeconds = 0.0
 
 
 class Ack(Message, kw_only=True, frozen=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tmd import wire
@@ -28,12 +29,13 @@ from tmd.runtime.timing import PendingSwitch, StepTimes
             0.25,
             wire.Downtime(total_s=0.75, transfer_s=0.25, switch_s=0.25, first_step_s=0.25),
         ),
-        # Faster than a median step: nothing is negative.
+        # Faster than a median step: reported as measured, below zero (step noise),
+        # not clamped; a part is never negative and the first step takes the rest.
         (
             PendingSwitch("m1", last_step_end=1.0, resumed=1.0, stop_s=-0.001),
             1.1,
             0.5,
-            wire.Downtime(total_s=0.0),
+            wire.Downtime(total_s=-0.4, first_step_s=-0.4),
         ),
     ],
 )
@@ -43,12 +45,15 @@ def test_a_switch_costs_its_first_step_and_the_gap_before_it_minus_a_median_step
     got = pending.downtime(first_step_end, median)
     for name in ("total_s", "stop_s", "transfer_s", "switch_s", "first_step_s"):
         assert getattr(got, name) == pytest.approx(getattr(want, name)), name
+    parts = got.stop_s + got.transfer_s + got.switch_s + got.first_step_s
+    assert parts == pytest.approx(got.total_s)
+    msgspec.json.decode(wire.encode(got), type=wire.Downtime)  # a negative total travels
 
 
 def test_a_failover_costs_the_failed_step_minus_a_median_one() -> None:
     rec = Recovery(
         id="failover-g0", dead=1, joiner="spare", is_donor=True, detect_s=0.4,
-        transfer_s=0.2, build_s=0.3, resumed=20.0,
+        transfer_s=0.2, build_s=0.3,
         change=Reconfiguration(object(), Membership(1, ("n0", "spare")), rank=0),
     )  # fmt: skip
 
@@ -56,7 +61,7 @@ def test_a_failover_costs_the_failed_step_minus_a_median_one() -> None:
 
     assert got.total_s == pytest.approx(1.0)
     assert (got.stop_s, got.transfer_s, got.switch_s) == (0.4, 0.2, 0.3)
-    assert got.first_step_s == pytest.approx(0.5)
+    assert got.first_step_s == pytest.approx(0.1)  # the rest: the parts add up
 
 
 def test_a_process_taking_over_a_rank_measures_against_that_ranks_median() -> None:

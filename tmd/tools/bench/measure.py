@@ -1,8 +1,15 @@
 """What ``tmd bench downtime`` computes from the step records its runs leave.
 
 Every process of a run writes one JSON record; its ``steps`` rows are ``[rank, step,
-loss, end, step_s, rss_bytes, compute_s, allreduce_s, optimizer_s]``. These functions
-read those rows: downtimes, medians, step-time noise, slowdowns and loss matches.
+loss, end, step_s, rss_bytes, compute_s, allreduce_s, optimizer_s]``, where ``end`` is
+the wall time at which the step's optimizer update ended, before the step boundary
+(where a switch runs). These functions read those rows: downtimes, medians,
+step-time noise, ratios, slowdowns and loss matches.
+
+Downtime, as a user would time it: from the end of the last update before the
+replacement (latest rank) to the end of the first step after it (latest rank),
+minus one median step. Whatever runs in between (the switch, a state transfer, a
+restart) lies inside that window.
 """
 
 from __future__ import annotations
@@ -29,26 +36,86 @@ def median_step(rows: list[list[Any]], first: int, last: int) -> float:
 
 
 def downtime(before: list[list[Any]], after: list[list[Any]], at: int, median: float) -> float:
-    """End of step ``at - 1`` in ``before`` to end of step ``at`` in ``after`` (latest
-    rank at both), minus one median step."""
+    """End of step ``at - 1``'s update in ``before`` to end of step ``at`` in ``after``
+    (latest rank at both), minus one median step. Unclamped: a replacement cheaper
+    than the step noise can come out slightly below zero."""
     t_before = max(row[3] for row in before if row[1] == at - 1)
     t_after = max(row[3] for row in after if row[1] == at)
     return float(t_after - t_before - median)
 
 
-def step_noise(reference: dict[tuple[int, int], list[Any]]) -> float:
-    """How far an ordinary step of the unmigrated run strays from the median, measured
-    like a downtime (gap between the latest rank's ends of two steps, minus the median
-    gap): the 90th percentile of its size. A downtime under it is not measurable."""
+def step_noise(rows: list[list[Any]], first: int = 3) -> float:
+    """How far an ordinary step strays from the median, measured like a downtime (the
+    gap between the latest rank's ends of two consecutive steps, minus the median
+    gap): the 90th percentile of its size, over steps from ``first`` on (the first
+    ones warm up). A downtime under it is not measurable. 0.0 when there are too
+    few steps to tell."""
     ends: dict[int, float] = {}
-    for (_rank, step), row in reference.items():
-        ends[step] = max(ends.get(step, 0.0), row[3])
-    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s >= 3 and s - 1 in ends]
+    for row in rows:
+        ends[row[1]] = max(ends.get(row[1], row[3]), row[3])
+    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s >= first and s - 1 in ends]
     if not gaps:
-        return 0.0  # too few steps to tell
+        return 0.0
     median = statistics.median(gaps)
     devs = sorted(abs(g - median) for g in gaps)
     return float(devs[int(0.9 * (len(devs) - 1))])
+
+
+def ratio(numerator: float, denominator: float, noise: float) -> float | None:
+    """``numerator`` over the larger of ``denominator`` and the step ``noise``: a
+    denominator lost in the noise cannot make the ratio explode. None when both are
+    zero or below (too few steps to measure the noise)."""
+    floor = max(denominator, noise)
+    return numerator / floor if floor > 0 else None
+
+
+def above_noise(numerator: float, denominator: float, noise: float) -> float | None:
+    """The plain ratio, only where its denominator is measurable (above the noise)."""
+    return numerator / denominator if denominator > noise and denominator > 0 else None
+
+
+def parts_of(downtimes: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The breakdown of the member whose runtime-measured downtime was worst (the
+    critical path), from each member's ``wire.Downtime`` as a dict: its parts add up
+    to its total. Empty when no member measured one."""
+    if not downtimes:
+        return {}
+    node, worst_one = max(downtimes.items(), key=lambda item: item[1]["total_s"])
+    parts = {k: v for k, v in worst_one.items() if k != "total_s"}
+    return {"member": node, "total_s": worst_one["total_s"], **parts,
+            "parts_sum_s": sum(parts.values())}  # fmt: skip
+
+
+def restart_parts(
+    before: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    at: int,
+    median: float,
+    *,
+    exited: float,
+) -> dict[str, float]:
+    """Where a checkpoint-restart's downtime went, as consecutive intervals of the
+    latest process at each point (so they add up to ``downtime``): the job stopping
+    after step ``at - 1`` (``before``'s records hold ``save``: [start, end]), saving,
+    exiting (every old process gone at ``exited``), the new processes starting (``after``'s
+    ``t_built``), forming their group (``t_entered``), loading (``t_loaded``), and the
+    first step's excess over a median one."""
+    t_stop = max(row[3] for r in before for row in r["steps"] if row[1] == at - 1)
+    save_start = min(r["save"][0] for r in before)
+    save_end = max(r["save"][1] for r in before)
+    built = max(r["t_built"] for r in after)
+    entered = max(r["t_entered"] for r in after)
+    loaded = max(r["t_loaded"] for r in after)
+    t_first = max(row[3] for r in after for row in r["steps"] if row[1] == at)
+    return {
+        "stop_s": save_start - t_stop,
+        "save_s": save_end - save_start,
+        "exit_s": exited - save_end,
+        "start_s": built - exited,
+        "init_group_s": entered - built,
+        "load_s": loaded - entered,
+        "first_step_s": t_first - loaded - median,
+    }
 
 
 def slowdown(
@@ -64,8 +131,9 @@ def slowdown(
 
 def worst(method: dict[str, Any]) -> float:
     """The larger of a switch's two downtimes: from the step records, and the worst
-    rank's as the runtime reports it."""
-    return float(max(method["downtime_s"], method.get("runtime_downtime_s", 0.0)))
+    rank's as the runtime reports it (where it did)."""
+    runtime = method.get("runtime_downtime_s")
+    return float(method["downtime_s"] if runtime is None else max(method["downtime_s"], runtime))
 
 
 def losses(out: Path) -> dict[tuple[int, int], float]:
