@@ -164,3 +164,10 @@ def test_losses_and_loss_match_read_every_rank_and_step(tmp_path: Path) -> None:
     assert not measure.loss_match({**got, (1, 2): got[(1, 2)] + 1e-5}, reference)
     missing = {k: v for k, v in got.items() if k != (0, 1)}
     assert not measure.loss_match(missing, reference)
+
+
+def test_the_load_says_how_busy_the_machine_was() -> None:
+    got = measure.Load().as_dict()
+
+    assert got["cpus"] >= 1
+    assert got["load_1m_start"] >= 0 and got["load_1m_end"] >= 0

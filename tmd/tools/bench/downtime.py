@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from tmd.tools.bench import measure
+from tmd.tools.bench import Progress, measure
 
 JOB = "bench"
 
@@ -379,13 +379,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs' records here")
     args = parser.parse_args(argv)
+    load = measure.Load()
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as tmp:
         out = args.out or Path(tmp)
+        progress = Progress()
+        progress.say(f"reference run: {args.nproc} ranks, {args.steps} steps")
         reference = _reference(out / "reference", args)
+        progress.say("live migration")
         live = _migration(out / "live", args, reference, cold=False)
+        progress.say("cold standby")
         cold = _migration(out / "cold", args, reference, cold=True)
+        progress.say("checkpoint-restart")
         restart = _checkpoint_restart(out / "restart", args)
+        progress.say("failover (a rank killed mid-step)")
         failover = _failover(out / "failover", args)
+        progress.say("done")
         failover_losses = failover.pop("loss")
         noise = measure.step_noise(list(reference.values()))
         for method in (live, cold, failover):
@@ -426,6 +434,7 @@ def main(argv: list[str]) -> int:
             "prepare_slowdown": live.get("prepare_slowdown"),
             "lockstep_slowdown": live.get("lockstep_slowdown"),
         }
+    result["machine"] = load.as_dict()
     print(json.dumps(result, indent=None))
     return 0
 

@@ -15,6 +15,7 @@ restart) lies inside that window.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,15 @@ def loss_match(got: dict[tuple[int, int], float], reference: dict[Any, list[Any]
     return set(got) == set(reference) and all(
         abs(got[k] - reference[k][2]) <= 1e-6 for k in reference
     )
+
+
+class Load:
+    """How loaded this machine was while a benchmark ran: its CPUs and the 1-minute
+    load average at the start and at the end (``as_dict`` once it is over)."""
+
+    def __init__(self) -> None:
+        self.start = os.getloadavg()[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cpus": os.cpu_count(), "load_1m_start": round(self.start, 2),
+                "load_1m_end": round(os.getloadavg()[0], 2)}  # fmt: skip
