@@ -139,10 +139,14 @@ class LocalJob:
         self._port = store_port
         self.store = host_store(store_port)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._served: set[str] = set()
+        """Nodes that held a rank in the current start: members, and leavers, which
+        still run their epilogue after leaving (at nice 19, slow on a busy host)."""
         self._start()
 
     def _start(self) -> None:
         self.procs = {}
+        self._served = {spec.node for spec in self.specs if spec.role == "worker"}
         for spec in self.specs:
             env = process_env(
                 spec, world_size=self.nproc, store_port=self.store.port, job=self.job,
@@ -156,8 +160,9 @@ class LocalJob:
     ) -> dict[str, int]:
         """Wait for every process, restarting the job up to ``max_restarts`` times;
         returns how the processes of the last start exited. Standbys end by
-        themselves once the job stops; whatever still runs ``grace`` after the job
-        reported stopped is killed."""
+        themselves once the job stops: an idle standby that still runs ``grace`` after
+        the job reported stopped is killed, a process that held a rank (a leaver
+        finishing its epilogue) after four times that."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         while (restart := self._watch(deadline, grace)) and self.restarts < self.max_restarts:
             self._end_attempt(self.restart_grace)
@@ -185,30 +190,37 @@ class LocalJob:
             members_gone = all(codes.get(m, 0) is not None for m in self.members())
             if stopped_at is None and (stopped or members_gone):
                 stopped_at = now
+            self._served.update(self.members())
             if needs_restart(codes, self.members(), stopped=stopped):
                 return True
             if all(code is not None for code in codes.values()):
                 return False
-            late = stopped_at is not None and now - stopped_at > grace.total_seconds()
+            after_stop = None if stopped_at is None else now - stopped_at
+            if after_stop is not None and after_stop > grace.total_seconds():
+                self._kill_idle_standbys()
+            late = after_stop is not None and after_stop > 4 * grace.total_seconds()
             if late or (deadline is not None and now > deadline):
                 return False
             time.sleep(0.05)
 
     def _end_attempt(self, grace: timedelta) -> None:
-        """Stop what still runs of this start and record it. Members get ``grace`` to
-        exit by themselves first, so their last acks reach the store."""
-        members = set(self.members())
+        """Stop what still runs of this start and record it. Members and leavers get
+        ``grace`` to exit by themselves first, so their last acks reach the store."""
+        self._served.update(self.members())
         until = time.monotonic() + grace.total_seconds()
-        for node, proc in self.procs.items():
-            if node not in members and proc.poll() is None:
-                proc.kill()  # an idle standby: nothing to lose
-        for node in members:
+        self._kill_idle_standbys()
+        for node in self._served:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.procs[node].wait(max(0.0, until - time.monotonic()))
         self.terminate()
         codes = {node: proc.wait() for node, proc in self.procs.items()}
         acks = [wire.decode(data, wire.Ack) for data in read_from(self.store, ACK_LOG, 1)]
         self.attempts.append(Attempt(codes, acks, self.status()))
+
+    def _kill_idle_standbys(self) -> None:
+        for node, proc in self.procs.items():
+            if node not in self._served and proc.poll() is None:
+                proc.kill()  # it never held a rank: nothing to lose
 
     def members(self) -> list[str]:
         """The nodes holding a rank, as the job last reported them."""

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.integration.runtime_conftest_helpers import SCRIPT, final_params, losses
-from tmd.runtime.launch import main
+from tmd import wire
+from tmd.runtime.control import STATUS_KEY
+from tmd.runtime.launch import LocalJob, main
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +52,39 @@ def test_launch_rejects_a_bad_world(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--nproc", "0", SCRIPT])
     assert "--nproc" in capsys.readouterr().err
+
+
+def test_a_leaver_finishing_its_epilogue_is_not_killed_like_an_idle_standby(
+    tmp_path: Path,
+) -> None:
+    # worker1 left the job (standby0 holds its rank) and is still busy after the job
+    # stopped, as a leaver at nice 19 on a loaded host is; standby1 never joined. The
+    # idle standby is killed at once past the grace; the leaver may finish.
+    go = tmp_path / "go"
+    script = (
+        "import os, pathlib, time\n"
+        "node = os.environ['TMD_NODE']\n"
+        f"go = pathlib.Path({str(go)!r})\n"
+        "while node != 'worker0' and not go.exists():\n"
+        "    time.sleep(0.01)\n"
+    )
+    job = LocalJob([sys.executable, "-c", script], nproc=2, standby=2, job="leaving")
+    try:
+        status = wire.JobStatus(
+            ts=time.time(), job="leaving", generation=1, world_size=2, state="stopped",
+            members=[wire.Member(0, "worker0"), wire.Member(1, "standby0")],
+        )  # fmt: skip
+        job.store.set(STATUS_KEY, wire.encode(status).decode())
+
+        def release_once_the_idle_standby_is_gone() -> None:
+            job.procs["standby1"].wait()
+            go.touch()
+
+        releaser = threading.Thread(target=release_once_the_idle_standby_is_gone)
+        releaser.start()
+        codes = job.wait(timedelta(seconds=120), grace=timedelta(seconds=1))
+        releaser.join()
+    finally:
+        job.terminate()
+
+    assert codes == {"worker0": 0, "worker1": 0, "standby0": 0, "standby1": -signal.SIGKILL}
