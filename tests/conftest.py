@@ -1,7 +1,8 @@
 """Shared fixtures: a real mosquitto on 127.0.0.1, a running daemon, an MQTT publisher.
 
-Tests that need mosquitto fail (they are not skipped) when it is missing under CI, so
-a broken install cannot pass as a green run.
+Tests that need an outside tool (mosquitto, systemd-analyze, openssl...) ask for it
+through ``need_tool``: skipped where it is missing, but failed under CI (``CI`` set),
+so a broken install cannot pass as a green run.
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ def _default_logging() -> Iterator[None]:
     structlog.reset_defaults()
 
 
-def _need_mosquitto() -> None:
-    if find_mosquitto() is None:
+def need_tool(tool: str, path: str | None, *, install: str) -> str:
+    """``path``, where ``tool`` was found; else skip the test, or fail it under CI."""
+    if path is None:
         if os.environ.get("CI"):
-            pytest.fail("mosquitto is not installed, and CI must run the broker tests")
-        pytest.skip("mosquitto is not installed (apt-get install -y mosquitto)")
+            pytest.fail(f"{tool} is not installed, and CI must run the tests that need it")
+        pytest.skip(f"{tool} is not installed ({install})")
+    return path
+
+
+def _need_mosquitto() -> None:
+    need_tool("mosquitto", find_mosquitto(), install="apt-get install -y mosquitto")
 
 
 @pytest.fixture(scope="session")

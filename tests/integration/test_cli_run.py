@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,14 +33,15 @@ def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
 def tmd(
     *args: str, env: dict[str, str] | None = None, **kw: object
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    result: subprocess.CompletedProcess[str] = subprocess.run(
         [sys.executable, "-m", "tmd.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
         env=env,
         **kw,
-    )  # type: ignore[call-overload, no-any-return]
+    )  # type: ignore[call-overload]
+    return result
 
 
 def read_datagrams(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
@@ -53,6 +55,32 @@ def read_datagrams(sock: socket.socket, until: str, timeout_s: float) -> list[st
         if any(until in g for g in got):
             return got
     raise AssertionError(f"no {until!r} within {timeout_s} s; got {got}")
+
+
+def pending_datagrams(sock: socket.socket) -> list[str]:
+    """What has been sent to ``sock`` so far (datagrams on a Unix socket keep order)."""
+    got = []
+    sock.setblocking(False)
+    try:
+        while True:
+            got.append(sock.recv(4096).decode())
+    except BlockingIOError:
+        return got
+    finally:
+        sock.settimeout(0.2)
+
+
+def connection_failures(api: str) -> float:
+    """The daemon's count of failed broker connections; 0 until its API serves."""
+    try:
+        with urllib.request.urlopen(f"{api}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("tmd_mqtt_connection_failures_total "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def test_run_notifies_ready_serves_and_stops_cleanly(
@@ -79,10 +107,17 @@ def test_run_notifies_ready_serves_and_stops_cleanly(
         stderr=subprocess.PIPE,
         text=True,
     )
+    api = f"http://127.0.0.1:{api_port}"
     try:
         early = read_datagrams(notify_socket, "STATUS=connecting", 30)
-        time.sleep(1.0)
-        assert not any("READY=1" in d for d in early)
+        # The daemon has tried the broker and failed twice (it retries): whatever it
+        # sent by then is in the socket, and READY=1 must not be among it.
+        deadline = time.monotonic() + 30
+        while connection_failures(api) < 2:
+            assert time.monotonic() < deadline, "the daemon never tried the broker"
+            time.sleep(0.1)
+        early += pending_datagrams(notify_socket)
+        assert not any("READY=1" in d for d in early), early
         own_broker.start()
         read_datagrams(notify_socket, "READY=1", 30)
         read_datagrams(notify_socket, "WATCHDOG=1", 10)
@@ -101,7 +136,6 @@ def test_run_notifies_ready_serves_and_stops_cleanly(
             wire.node_topic("cli-node", "gpu"), wire.encode(wire.NodeGpu(ts=t, node="cli-node"))
         )
         pub.close()
-        api = f"http://127.0.0.1:{api_port}"
         deadline = time.monotonic() + 20
         while True:
             status = tmd("status", "--api", api)

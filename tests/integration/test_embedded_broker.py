@@ -185,7 +185,7 @@ async def clients(b: EmbeddedBroker, n: int, **kw: Any) -> AsyncIterator[list[ai
 async def test_wildcards_route_as_the_spec_says(embedded: EmbeddedBroker) -> None:
     async with clients(embedded, len(EXPECTED) + 1) as (publisher, *subscribers):
         for sub, text in zip(subscribers, EXPECTED, strict=True):
-            assert await sub.subscribe([(text, 1), ("end", 1)]) == [1, 1]
+            assert list(await sub.subscribe([(text, 1), ("end", 1)])) == [1, 1]
         for topic in TOPICS:
             await publisher.publish(topic, topic.encode(), qos=1)
         await publisher.publish("end", qos=1)
@@ -232,7 +232,7 @@ async def test_qos_1_is_acknowledged_and_delivered_at_the_lower_qos(
     embedded: EmbeddedBroker,
 ) -> None:
     async with clients(embedded, 3) as (publisher, at1, at0):
-        assert await at1.subscribe("q/#", qos=2) == [1]  # QoS 2 is granted as 1
+        assert list(await at1.subscribe("q/#", qos=2)) == [1]  # QoS 2 is granted as 1
         await at0.subscribe("q/#", qos=0)
         # aiomqtt returns from publish once the broker acknowledged (PUBACK, PUBCOMP).
         await asyncio.wait_for(publisher.publish("q/1", b"a", qos=1), 5)
@@ -286,20 +286,53 @@ async def test_last_will_is_published_when_a_client_vanishes_not_when_it_leaves(
             assert (kept.topic.value, kept.payload, kept.retain) == ("lw/killed", b"off", True)
 
 
-async def test_a_silent_client_is_dropped_after_one_and_a_half_keepalives(
+def _connect_with_will(client_id: bytes, *, keepalive: int) -> bytes:
+    """CONNECT with a QoS 1 Will on ``ka/<client_id>`` that says ``gone``."""
+    flags = 0x02 | 0x04 | 0x08  # clean session, Will, Will QoS 1
+    return _packet(
+        0x10,
+        _str(b"MQTT") + bytes((4, flags)) + keepalive.to_bytes(2, "big")
+        + _str(client_id) + _str(b"ka/" + client_id) + _str(b"gone"),
+    )  # fmt: skip
+
+
+async def test_a_silent_client_is_dropped_when_its_keepalive_lapses_a_talking_one_is_not(
     embedded: EmbeddedBroker,
 ) -> None:
     async with clients(embedded, 1) as (watcher,):
-        await watcher.subscribe("ka/#", qos=1)
-        silent = _paho(embedded, "silent", topic="ka/silent", payload=b"gone", qos=1)
-        t0 = time.monotonic()
-        silent.connect(embedded.host, embedded.port, keepalive=1)
-        silent.loop(0.5)  # CONNACK; then no more calls, so no PINGREQ
-        (will,) = await take(watcher, 1)
-        assert will.payload == b"gone"
-        assert 1.4 <= time.monotonic() - t0 < 4.0
-        sock = silent.socket()
-        assert isinstance(sock, socket.socket) and _closed_by_broker(sock)
+        await watcher.subscribe([("ka/#", 1), ("end", 1)])
+        with contextlib.ExitStack() as sockets:
+            # Connected first but with twice the keep-alive, "slow" outlasts "fast":
+            # expiry follows each client's own keep-alive, not the order of connection.
+            slow, fast, talker = (
+                sockets.enter_context(_raw(embedded, connect=_connect_with_will(name, keepalive=k)))
+                for name, k in ((b"slow", 2), (b"fast", 1), (b"talker", 1))
+            )
+            stop = threading.Event()
+
+            def ping() -> None:  # well inside the keep-alive, as client libraries do
+                while not stop.wait(0.2):
+                    talker.sendall(b"\xc0\x00")
+
+            pinger = threading.Thread(target=ping, daemon=True)
+            pinger.start()
+            try:
+                wills = await take(watcher, 2, timeout_s=20)
+                assert [(m.topic.value, m.payload) for m in wills] == [
+                    ("ka/fast", b"gone"),
+                    ("ka/slow", b"gone"),
+                ]
+                for gone in (fast, slow):
+                    assert await asyncio.to_thread(_closed_by_broker, gone)
+            finally:
+                stop.set()
+                pinger.join()
+            # The talker outlived two of its keep-alive windows. It leaves with
+            # DISCONNECT (no Will): nothing comes before a marker published after it.
+            talker.sendall(b"\xe0\x00")
+            assert await asyncio.to_thread(_closed_by_broker, talker)
+        await watcher.publish("end", qos=1)
+        assert await until_marker(watcher) == []
 
 
 async def test_a_second_connection_with_the_same_id_takes_over(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.conftest import DaemonFactory, _need_mosquitto
+from tests.conftest import DaemonFactory, _need_mosquitto, need_tool
 from tests.helpers import Publisher, eventually
 from tests.integration.test_daemon import iter_batch
 from tmd import config as config_mod
@@ -80,11 +79,8 @@ def _pki(d: Path) -> None:
 @pytest.fixture
 def tls_broker(tmp_path: Path) -> Iterator[Mosquitto]:
     _need_mosquitto()
-    for tool in ("mosquitto_passwd", "openssl"):
-        if shutil.which(tool) is None:
-            if os.environ.get("CI"):
-                pytest.fail(f"{tool} is not installed, and CI must run the TLS tests")
-            pytest.skip(f"{tool} is not installed")
+    for tool, package in (("mosquitto_passwd", "mosquitto"), ("openssl", "openssl")):
+        need_tool(tool, shutil.which(tool), install=f"apt-get install -y {package}")
     _pki(tmp_path)
     pw = tmp_path / "passwd"
     subprocess.run(

@@ -60,7 +60,11 @@ def test_planned_migration_matches_unmigrated_run(
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0, "standby0": 0}
     joiner = next(a for a in switched if a.node == "standby0")
     assert joiner.rank == 1 and joiner.generation == 1
-    assert all(a.downtime is not None for a in switched if a.node != "worker1")
+    # Measured by every member but the leaver. A median step (0.02 s and noise) is taken
+    # off the gap, so it may dip below zero, not by much; a live switch costs far less
+    # than 50 steps.
+    downtimes = [a.downtime for a in switched if a.node != "worker1"]
+    assert all(d is not None and -0.05 <= d.total_s < 50 * 0.02 for d in downtimes), downtimes
     status = ctl.status()
     assert status is not None and status.state == "stopped"
     assert [m.node for m in status.members] == ["worker0", "standby0", "worker2"]
@@ -179,6 +183,10 @@ def test_killed_rank_is_replaced_from_a_replica_without_rollback(
     # The donor tells the controller what happened, so the daemon can journal it.
     acks = [a for a in ctl.acks() if a.migration_id == "failover-g0"]
     assert [(a.node, a.kind, a.generation) for a in acks] == [("worker0", "switched", 1)]
-    assert acks[0].downtime is not None and acks[0].at_step == 21
+    # The failed step against a median one (0.02 s steps): detection, the new group,
+    # the transfer and the re-run, well inside 100 steps.
+    downtime = acks[0].downtime
+    assert downtime is not None and -0.05 <= downtime.total_s < 100 * 0.02, downtime
+    assert acks[0].at_step == 21
     # Step 20 was finished by the standby, and nothing was rolled back.
     assert_same_as(out, reference, world, losses_from=20)

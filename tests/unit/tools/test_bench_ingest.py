@@ -1,0 +1,101 @@
+"""``tmd bench ingest``'s verdict and latency, table-tested without a broker: the target
+holds only at the load claimed, and latency runs from a step's end, as a user waits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tmd import wire
+from tmd.tools.bench.ingest import behind_limit_s, holds, percentile, shortfalls, step_latencies
+
+T0 = 1_800_000_000.0
+
+
+def result(**changes: Any) -> dict[str, Any]:
+    """A run's result that holds the target; ``changes`` spoil it."""
+    return {
+        "loss": 0.0,
+        "p99_latency_s": 0.05,
+        "publisher_max_behind_s": 0.01,
+        "publisher_behind_limit_s": behind_limit_s(flush_s=1.0, step_s=1.0),
+        **changes,
+    }
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({}, None),
+        ({"loss": 1e-6}, "lost"),
+        ({"p99_latency_s": 1.0}, "p99 latency"),
+        ({"p99_latency_s": 0.999}, None),
+        ({"p99_latency_s": None}, "no rank-step"),
+        # A publisher behind its schedule packs more steps into fewer messages: the
+        # daemon kept up with a lighter load than the one claimed.
+        ({"publisher_max_behind_s": 0.51}, "fell 0.51 s behind"),
+        ({"publisher_max_behind_s": 0.5}, None),
+        ({"publisher_max_behind_s": 3.0, "p99_latency_s": 0.01}, "fell 3.0 s behind"),
+    ],
+)
+def test_the_target_holds_only_without_loss_under_a_second_at_the_load_claimed(
+    changes: dict[str, Any], why: str | None
+) -> None:
+    r = result(**changes)
+    found = shortfalls(r)
+    assert holds(r) is (why is None)
+    if why is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and why in found[0], found
+
+
+def test_every_shortfall_is_named() -> None:
+    r = result(loss=0.5, p99_latency_s=2.0, publisher_max_behind_s=1.0)
+    assert len(shortfalls(r)) == 3 and not holds(r)
+
+
+@pytest.mark.parametrize(
+    ("flush_s", "step_s", "limit"),
+    [(1.0, 1.0, 0.5), (0.2, 1.0, 0.1), (5.0, 1.0, 0.5), (1.0, 0.4, 0.2)],
+)
+def test_the_publisher_may_fall_behind_by_half_the_shorter_of_flush_and_step(
+    flush_s: float, step_s: float, limit: float
+) -> None:
+    assert behind_limit_s(flush_s=flush_s, step_s=step_s) == pytest.approx(limit)
+
+
+def timing(step: int, end_ts: float) -> wire.StepTiming:
+    return wire.StepTiming(step, end_ts, 1.0, 0.6, 0.3, 0.05, 0.05)
+
+
+def batch(*ends: float, sent: float) -> wire.IterBatch:
+    steps = [timing(i + 1, end) for i, end in enumerate(ends)]
+    return wire.IterBatch(ts=sent, job="j", rank=0, node="n", steps=steps)
+
+
+def test_latency_runs_from_each_steps_end_not_from_publishing() -> None:
+    # Three steps batched and sent together at T0 + 3, applied 50 ms later: the first
+    # step's user waited 2.05 s, however fresh the message was.
+    got = step_latencies(batch(T0 + 1, T0 + 2, T0 + 3, sent=T0 + 3.0), applied_at=T0 + 3.05)
+    assert got == pytest.approx([2.05, 1.05, 0.05])
+
+
+def test_a_late_publisher_shows_in_the_latency() -> None:
+    # Sent 0.8 s after the step ended, applied at once: 0.8 s, not ~0.
+    assert step_latencies(batch(T0, sent=T0 + 0.8), applied_at=T0 + 0.8) == pytest.approx([0.8])
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([], 0.5, None),
+        ([0.3], 0.99, 0.3),
+        ([0.4, 0.1, 0.3, 0.2], 0.5, 0.3),
+        ([float(i) for i in range(100)], 0.99, 99.0),
+        ([float(i) for i in range(1000)], 0.99, 990.0),
+    ],
+)
+def test_percentile(values: list[float], q: float, expected: float | None) -> None:
+    assert percentile(values, q) == expected
