@@ -155,9 +155,10 @@ async def test_a_hung_gpu_stops_samples_without_stacking_threads(broker: Mosquit
         fake.gpus[0].hang_s = 1.0
         calls = fake.calls["nvmlDeviceGetPowerUsage"]  # the first getter of a sample
         await eventually(lambda: agent.sample_timeouts >= 1)
-        await asyncio.sleep(0.5)
+        # Sampled every 0.1 s: three more ticks while the call is hung (~1 s) ...
+        await eventually(lambda: agent.skipped_samples >= 3)
         stalled = len(watch.of("gpu"))
-        # Hung for ~1 s a call, sampled every 0.1 s: one thread stuck in NVML, not ten.
+        # ... and still one thread stuck in NVML, not one per tick.
         assert fake.calls["nvmlDeviceGetPowerUsage"] - calls <= 1
         assert agent.sample_timeouts == 1
         fake.gpus[0].hang_s = 0.0
@@ -187,7 +188,7 @@ async def test_reconnects_and_resends_status_and_held_xids(own_broker: Mosquitto
         own_broker.stop()
         await eventually(lambda: not agent.connected)
         fake.xid(0, 48)  # while the broker is away
-        await asyncio.sleep(0.3)
+        await eventually(lambda: agent.xids_waiting == 1)  # seen, held for the broker
         own_broker.start()
         async with watching(own_broker, node) as watch:
             (xid,) = await eventually(lambda: watch.of("xid"))

@@ -64,6 +64,7 @@ class Agent:
         self.connected = False
         self.published_samples = 0
         self.sample_timeouts = 0
+        self.skipped_samples = 0  # ticks passed while a hung NVML call was still out
         self.dropped_xids = 0
         self._latest: wire.NodeGpu | None = None
         self._xids: deque[wire.XidEvent] = deque()
@@ -71,6 +72,11 @@ class Agent:
         self._pending: concurrent.futures.Future[Sample] | None = None
         self._hung = False
         self._errors: dict[tuple[int, str], str] = {}
+
+    @property
+    def xids_waiting(self) -> int:
+        """XID events seen and not yet published (the broker is away, say)."""
+        return len(self._xids)
 
     def status(self, state: Literal["online", "offline"]) -> wire.NodeStatus:
         driver = f", driver {self._nvml.driver_version}" if self._nvml else ", heartbeat only"
@@ -140,6 +146,7 @@ class Agent:
         if self._nvml is None:
             return []
         if self._pending is not None and not self._pending.done():
+            self.skipped_samples += 1
             return None  # the last call has not come back: do not stack threads on it
         if self._hung:
             self._hung = False
