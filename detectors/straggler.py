@@ -3,25 +3,43 @@
 In data-parallel training every rank waits for the slowest in the gradient
 all-reduce, so step times are alike everywhere; the slow machine shows in its *busy*
 time (compute + optimizer + data = step time minus all-reduce wait). For every step
-that all live ranks of a job have reported, each rank's busy time is divided by the
-median over ranks for that step. Dividing by the same step's median cancels whatever
-hits the whole job (a slower phase, an evaluation pause on every rank); a robust mean
-over a window of recent ratios ignores single slow steps (a checkpoint on rank 0, a
-GC pause, noise). A rank is a straggler when the interquartile mean of its last
-``window_steps`` ratios exceeds ``1 + min_slowdown`` and most of the window agrees
-(``min_confidence``, as NVIDIA resiliency-ext's 0.75 score threshold); it clears when
-that mean falls below ``1 + clear_slowdown``. Findings are per node (a machine is
-what gets replaced), carrying the worst rank's slowdown.
+that all live ranks of a job have reported, each rank's busy time is compared with
+the median rank's *at the same step*, as ``log(busy / median)``. Dividing by the same
+step's median cancels whatever hits the whole job (a slower phase, a slow drift of
+the whole job, an evaluation pause on every rank); nothing is compared with its own
+past, which drifts.
 
-The detector reads the cluster view's per-rank step rings on each tick instead of
-observing every telemetry message: ingest already puts each step into the view once,
-and scanning it once a second costs less than a second pass per message. Scoring is
-the pure function ``score``. Ranks that fall more than ``stall_lag_steps`` behind do
-not hold the others back (``rank_stalled`` reports them).
+Two kinds of unit are judged, both against their peers: every rank, and every
+machine through the mean of its ranks' values (a machine is what gets replaced, and
+averaging its ranks removes most of their independent noise, so a whole machine 10%
+slow stands out where one rank 10% slow cannot). A unit's *level* is the
+interquartile mean of its last ``window_steps`` values, which ignores single slow
+steps (a checkpoint on rank 0, a GC pause). A unit is a straggler when its level is
+above the peers' median level by at least ``min_slowdown`` *and* ``min_zscore``
+robust spreads of the peers' levels (1.4826 x their median absolute deviation, which
+the stragglers among them do not inflate), ``min_confidence`` of its window agrees
+(is above half that; NVIDIA resiliency-ext scores with 0.75 the same way), and both
+have held for ``persist_steps`` steps (not waited for at twice the threshold, which
+no drift reaches). So in a quiet job the threshold is near ``min_slowdown``,
+and in a job whose ranks drift by 5% for dozens of steps at a time only what stands
+out from that drift is flagged. One estimate of the spread comes from the units'
+current excursions, which a slow drift keeps for dozens of steps, so the spread used
+is the median of the estimates over the last few hundred steps; a machine's is at
+least its ranks' over the square root of its rank count, so a job of few machines
+does not take its noise from too few of them. A unit clears once its level has
+stayed below the clear level (the threshold scaled by ``clear_slowdown /
+min_slowdown``) for a whole window, so a slowdown that comes and goes is one finding.
+
+Findings are per node, carrying the slowdown of the unit that found it. The detector
+reads the cluster view's per-rank step rings on each tick instead of observing every
+telemetry message: ingest already puts each step into the view once. Scoring is the
+pure functions ``thresholds`` and ``score``. Ranks that fall more than
+``stall_lag_steps`` behind do not hold the others back (``rank_stalled`` reports them).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -34,15 +52,21 @@ from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context
 
+MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in sigmas
+SPREAD_EVERY = 8  # steps between two estimates of the peers' spread ...
+SPREAD_POOL = 32  # ... and how many recent estimates its median pools (256 steps)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StragglerConfig:
-    min_slowdown: float = 0.08  # flag at 8% slower than the median rank
+    min_slowdown: float = 0.08  # flag at 8% slower than the median rank, at the least
     clear_slowdown: float = 0.03
     window_steps: int = 24
     min_confidence: float = 0.75
     min_ranks: int = 3  # fewer ranks reporting a step: nothing to compare against
     stall_lag_steps: int = 64
+    min_zscore: float = 5.0  # ... and this many robust spreads of the peers' levels
+    persist_steps: int = 12  # ... for this many steps in a row
 
     def validate(self) -> None:
         key = "detectors.straggler."
@@ -58,14 +82,36 @@ class StragglerConfig:
             raise ConfigError(key + "min_ranks", "must be >= 2")
         if self.stall_lag_steps < 1:
             raise ConfigError(key + "stall_lag_steps", "must be >= 1")
+        if not 0 <= self.min_zscore <= 100:
+            raise ConfigError(key + "min_zscore", "must be in [0, 100]")
+        if not 0 <= self.persist_steps <= 4096:
+            raise ConfigError(key + "persist_steps", "must be in 0..4096")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Where the peers are (``center``, a log busy ratio) and how far above it a unit
+    must be to straggle (``flag``) or to be calm again (``clear``), in log units."""
+
+    center: float
+    flag: float
+    clear: float
 
 
 @dataclass(frozen=True)
 class Score:
-    slowdown: float  # interquartile mean of the window's ratios - 1: what decides
-    confidence: float  # share of the window above 1 + min_slowdown / 2
-    since_step: int  # first step of the current run above that level
-    run_slowdown: float  # the same mean over that run alone: what is reported
+    level: float  # interquartile mean of the window less the peers' center: what decides
+    confidence: float  # share of the window above the center + half the threshold
+    since_step: int  # first step of the current run above that
+    run_level: float  # the same mean over that run alone: what is reported
+
+    @property
+    def slowdown(self) -> float:
+        return math.expm1(self.level)
+
+    @property
+    def run_slowdown(self) -> float:
+        return math.expm1(self.run_level)
 
 
 def interquartile_mean(values: list[float]) -> float:
@@ -78,12 +124,31 @@ def interquartile_mean(values: list[float]) -> float:
     return sum(middle) / len(middle)
 
 
-def score(window: Iterable[tuple[int, float]], config: StragglerConfig) -> Score:
-    """Score one rank from its recent ``(step, busy / median busy)`` pairs, oldest first."""
+def robust_spread(values: list[float]) -> float:
+    """Standard deviation estimated as 1.4826 x the median absolute deviation: the
+    stragglers among the values do not inflate it."""
+    if len(values) < 2:
+        return 0.0
+    center = statistics.median(values)
+    return MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
+
+
+def thresholds(levels: list[float], spread: float, config: StragglerConfig) -> Threshold:
+    """The threshold for units whose peers' levels are ``levels`` and whose noise is
+    ``spread`` (a standard deviation of levels, in log units)."""
+    center = statistics.median(levels) if levels else 0.0
+    flag = max(math.log1p(config.min_slowdown), config.min_zscore * spread)
+    clear = flag * math.log1p(config.clear_slowdown) / math.log1p(config.min_slowdown)
+    return Threshold(center, flag, clear)
+
+
+def score(window: Iterable[tuple[int, float]], threshold: Threshold) -> Score:
+    """Score one unit from its recent ``(step, log(busy / median busy))`` pairs, oldest
+    first."""
     pairs = list(window)
-    ratios = [r for _, r in pairs]
-    level = 1 + config.min_slowdown / 2
-    above = [r > level for r in ratios]
+    values = [v - threshold.center for _, v in pairs]
+    level = threshold.flag / 2
+    above = [v > level for v in values]
     since = pairs[-1][0] if pairs else 0
     run = 0
     for (step, _), hot in zip(reversed(pairs), reversed(above), strict=True):
@@ -91,28 +156,43 @@ def score(window: Iterable[tuple[int, float]], config: StragglerConfig) -> Score
             break
         since, run = step, run + 1
     # At first detection part of the window predates the onset and pulls the mean
-    # down; the run since the onset says better how slow the machine is now.
-    recent = ratios[-run:] if run >= 4 else ratios
+    # down; the run since the onset says better how slow the unit is now.
+    recent = values[-run:] if run >= 4 else values
     return Score(
-        slowdown=interquartile_mean(ratios) - 1 if ratios else 0.0,
-        confidence=sum(above) / len(ratios) if ratios else 0.0,
+        level=interquartile_mean(values) if values else 0.0,
+        confidence=sum(above) / len(values) if values else 0.0,
         since_step=since,
-        run_slowdown=interquartile_mean(recent) - 1 if recent else 0.0,
+        run_level=interquartile_mean(recent) if recent else 0.0,
     )
 
 
+Key = int | str  # a rank, or a machine by its node name
+
+
 @dataclass
-class _Rank:
+class _Unit:
+    """A rank, or a machine (the mean of its ranks): what is compared with its peers."""
+
     node: str
-    window: deque[tuple[int, float]]
+    window: deque[tuple[int, float]]  # (step, log of busy over the step's median)
+    members: tuple[int, ...] = ()  # a machine's ranks behind its values
     flagged: bool = False
+    hot_since: int | None = None  # not flagged, and above the flag level since this step
+    calm_since: int | None = None  # flagged, and below the clear level since this step
 
 
 @dataclass
 class _Job:
-    ranks: dict[int, _Rank] = field(default_factory=dict)
+    ranks: dict[int, _Unit] = field(default_factory=dict)
+    machines: dict[str, _Unit] = field(default_factory=dict)
     frontier: int = -1  # every step up to here has been scored
-    flagged_nodes: dict[str, set[int]] = field(default_factory=dict)
+    flagged_nodes: dict[str, set[Key]] = field(default_factory=dict)
+    rank_threshold: Threshold | None = None
+    machine_threshold: Threshold | None = None
+    spread_step: int = -1  # the step the thresholds were estimated at
+    spreads: deque[tuple[float, float | None]] = field(  # (ranks', machines') estimates
+        default_factory=lambda: deque(maxlen=SPREAD_POOL)
+    )
 
 
 class StragglerDetector(Detector):
@@ -147,80 +227,142 @@ class StragglerDetector(Detector):
         )
         # The rings hold the last `window` steps of each rank; older ones are gone.
         oldest = front - min(r.window for r in ranks.values()) + 1
-        touched: set[int] = set()
+        touched: set[Key] = set()
         for step in range(max(job.frontier + 1, oldest), ready + 1):
-            values = {}
-            for r, state in ranks.items():
-                busy = state.busy_at(step)
-                if busy is not None:
-                    values[r] = busy
-            if len(values) >= cfg.min_ranks:
-                median = statistics.median(values.values())
-                if median > 0:
-                    for r, busy in values.items():
-                        track = job.ranks.get(r)
-                        if track is None:
-                            track = job.ranks[r] = _Rank(
-                                ranks[r].node, deque(maxlen=cfg.window_steps)
-                            )
-                        track.window.append((step, busy / median))
-                        touched.add(r)
+            self._add_step(vjob, job, step, touched)
         job.frontier = max(job.frontier, ready)
-        for r in touched:
-            yield from self._judge(name, job, r, now)
+        stale = job.frontier - job.spread_step >= SPREAD_EVERY or job.rank_threshold is None
+        if touched and stale:
+            self._estimate(job)
+        for key in touched:
+            yield from self._judge(name, job, key, now)
+
+    def _add_step(self, vjob: JobView, job: _Job, step: int, touched: set[Key]) -> None:
+        """Append every rank's and every machine's value for ``step``."""
+        cfg = self.config
+        logs: dict[int, float] = {}
+        for r, state in vjob.ranks.items():
+            busy = state.busy_at(step)
+            if busy is not None and busy > 0:
+                logs[r] = math.log(busy)
+        if len(logs) < cfg.min_ranks:
+            return
+        median = statistics.median(logs.values())
+        by_node: dict[str, list[tuple[int, float]]] = {}
+        for r, v in logs.items():
+            unit = job.ranks.get(r)
+            if unit is None:
+                unit = job.ranks[r] = _Unit(vjob.ranks[r].node, deque(maxlen=cfg.window_steps))
+            unit.window.append((step, v - median))
+            touched.add(r)
+            by_node.setdefault(unit.node, []).append((r, v - median))
+        if len(by_node) < cfg.min_ranks or len(by_node) == len(logs):
+            return  # too few machines to compare, or one rank each: the ranks say it all
+        for node, values in by_node.items():
+            unit = job.machines.get(node)
+            if unit is None:
+                unit = job.machines[node] = _Unit(node, deque(maxlen=cfg.window_steps))
+            members = tuple(r for r, _ in values)
+            if members != unit.members:
+                unit.window.clear()  # other ranks: its history is another machine's
+                unit.members = members
+            unit.window.append((step, sum(v for _, v in values) / len(values)))
+            touched.add(node)
+
+    def _estimate(self, job: _Job) -> None:
+        """Thresholds from the peers' current levels and their spread, pooled over the
+        recent estimates: one estimate comes from the units' current excursions, and
+        ranks that drift slowly keep them for dozens of steps."""
+        cfg = self.config
+        full = [u for u in job.ranks.values() if len(u.window) == cfg.window_steps]
+        levels = [interquartile_mean([v for _, v in u.window]) for u in full]
+        if len(levels) < cfg.min_ranks:
+            return  # too few to tell what the peers' noise is: wait for more history
+        machines = [u for u in job.machines.values() if len(u.window) == cfg.window_steps]
+        m_levels = [interquartile_mean([v for _, v in u.window]) for u in machines]
+        enough = len(m_levels) >= cfg.min_ranks
+        job.spreads.append((robust_spread(levels), robust_spread(m_levels) if enough else None))
+        spread = statistics.median(r for r, _ in job.spreads)
+        job.rank_threshold = thresholds(levels, spread, cfg)
+        if enough:
+            per_machine = sum(len(u.members) for u in machines) / len(machines)
+            m_spread = statistics.median(m for _, m in job.spreads if m is not None)
+            m_spread = max(m_spread, spread / math.sqrt(per_machine))
+            job.machine_threshold = thresholds(m_levels, m_spread, cfg)
+        job.spread_step = job.frontier
 
     def _follow_moves(
         self, name: str, vjob: JobView, job: _Job, now: float
     ) -> Iterator[events.Event]:
         """A rank now on another machine (a migration): its history and its flag were
-        the old machine's."""
-        for r, track in job.ranks.items():
+        the old machine's, and so was the old machine's mean."""
+        for r, unit in job.ranks.items():
             state = vjob.ranks.get(r)
-            if state is not None and state.node != track.node:
-                yield from self._unflag(name, job, r, now, "rank moved away")
-                track.node = state.node
-                track.window.clear()
+            if state is not None and state.node != unit.node:
+                yield from self._unflag(name, job, r, unit, now, "rank moved away")
+                old = job.machines.pop(unit.node, None)
+                if old is not None:
+                    yield from self._unflag(name, job, unit.node, old, now, f"rank {r} moved away")
+                unit.node = state.node
+                unit.window.clear()
 
-    def _judge(self, name: str, job: _Job, r: int, now: float) -> Iterator[events.Event]:
+    def _unit(self, job: _Job, key: Key) -> _Unit:
+        return job.ranks[key] if isinstance(key, int) else job.machines[key]
+
+    def _judge(self, name: str, job: _Job, key: Key, now: float) -> Iterator[events.Event]:
         cfg = self.config
-        rank = job.ranks[r]
-        if len(rank.window) < cfg.window_steps:
+        unit = self._unit(job, key)
+        th = job.rank_threshold if isinstance(key, int) else job.machine_threshold
+        if th is None or len(unit.window) < cfg.window_steps:
             return  # too little history (a rank that joined late)
-        if not rank.flagged and rank.window[-1][1] <= 1 + cfg.min_slowdown / 2:
-            return  # the common case: a healthy step of a healthy rank, O(1)
-        s = score(rank.window, cfg)
-        if (
-            not rank.flagged
-            and s.slowdown >= cfg.min_slowdown
-            and s.confidence >= cfg.min_confidence
-        ):
-            rank.flagged = True
-            flagged = job.flagged_nodes.setdefault(rank.node, set())
+        quiet = unit.window[-1][1] - th.center <= th.flag / 2
+        if quiet and not unit.flagged and unit.hot_since is None:
+            return  # the common case: a healthy step of a healthy unit, O(1)
+        s = score(unit.window, th)
+        last = unit.window[-1][0]
+        if not unit.flagged:
+            if s.level < th.flag or s.confidence < cfg.min_confidence:
+                unit.hot_since = None
+                return
+            if unit.hot_since is None:
+                unit.hot_since = last
+            blatant = s.level >= 2 * th.flag  # no drift goes this far: no need to wait
+            if last - unit.hot_since < cfg.persist_steps and not blatant:
+                return
+            unit.flagged, unit.hot_since, unit.calm_since = True, None, None
+            flagged = job.flagged_nodes.setdefault(unit.node, set())
             first = not flagged
-            flagged.add(r)
+            flagged.add(key)
             if first:
+                what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
                 yield events.StragglerFound(
                     ts=now,
                     job=name,
-                    node=rank.node,
+                    node=unit.node,
                     slowdown=round(s.run_slowdown, 4),
                     confidence=round(s.confidence, 3),
                     since_step=s.since_step,
-                    detail=f"rank {r}: busy {s.run_slowdown:+.1%} vs the median rank "
-                    f"since step {s.since_step}",
+                    detail=f"{what}: busy {s.run_slowdown:+.1%} vs the median "
+                    f"since step {s.since_step} (threshold {math.expm1(th.flag):+.1%})",
                 )
-        elif rank.flagged and s.slowdown < cfg.clear_slowdown:
-            yield from self._unflag(name, job, r, now, f"busy back to {s.slowdown:+.1%}")
+        else:
+            if s.level >= th.clear:
+                unit.calm_since = None
+            elif unit.calm_since is None:
+                unit.calm_since = last
+            elif last - unit.calm_since >= cfg.window_steps:
+                why = f"busy back to {s.slowdown:+.1%}"
+                yield from self._unflag(name, job, key, unit, now, why)
 
-    def _unflag(self, name: str, job: _Job, r: int, now: float, why: str) -> Iterator[events.Event]:
-        rank = job.ranks[r]
-        if not rank.flagged:
+    def _unflag(
+        self, name: str, job: _Job, key: Key, unit: _Unit, now: float, why: str
+    ) -> Iterator[events.Event]:
+        if not unit.flagged:
             return
-        rank.flagged = False
-        flagged = job.flagged_nodes.get(rank.node, set())
-        flagged.discard(r)
+        unit.flagged, unit.calm_since = False, None
+        flagged = job.flagged_nodes.get(unit.node, set())
+        flagged.discard(key)
         if not flagged:
-            job.flagged_nodes.pop(rank.node, None)
-            yield events.StragglerCleared(
-                ts=now, job=name, node=rank.node, detail=f"rank {r}: {why}"
-            )
+            job.flagged_nodes.pop(unit.node, None)
+            what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
+            yield events.StragglerCleared(ts=now, job=name, node=unit.node, detail=f"{what}: {why}")

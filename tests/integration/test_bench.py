@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from tests.conftest import _need_mosquitto
+
 
 def bench(*args: str) -> dict[str, object]:
     out = subprocess.run(
@@ -21,6 +23,7 @@ def bench(*args: str) -> dict[str, object]:
 
 
 def test_bench_ingest_prints_its_fields_and_loses_nothing_at_small_scale() -> None:
+    _need_mosquitto()  # the bench starts its own
     r = bench("ingest", "--ranks", "256", "--seconds", "3", "--no-baseline", "--json")
     for key in (
         "ranks",
@@ -32,24 +35,44 @@ def test_bench_ingest_prints_its_fields_and_loses_nothing_at_small_scale() -> No
         "p99_latency_s",
         "rss_mb",
         "cpu_s",
+        "publisher_max_behind_s",
+        "publisher_behind_limit_s",
+        "shortfalls",
+        "holds_target",
     ):
         assert key in r, key
     assert r["ranks"] == 256 and r["loss"] == 0.0 and r["rejected"] == 0.0
     assert r["published_rank_steps"] == r["rank_steps_in_view"]
+    # Counted from each step's end, which precedes its publishing and applying.
+    assert isinstance(r["p50_latency_s"], float) and r["p50_latency_s"] > 0
+    assert r["holds_target"] is (r["shortfalls"] == [])
 
 
 def test_bench_detect_prints_its_fields() -> None:
-    r = bench("detect", "--seeds", "1", "--xids", "2", "--json")
+    _need_mosquitto()  # the bench starts its own for the GPU-fault latency
+    r = bench("detect", "--seeds", "1", "--xids", "2", "--rho", "0.98", "--sigma", "0.05", "--json")
     for key in (
         "precision",
         "recall",
         "false_findings_clean",
         "median_latency_steps",
         "p95_latency_steps",
+        "inseparable_labels",
+        "inseparable_recall",
+        "naive_precision",
+        "naive_recall",
+        "naive_busy_precision",
+        "naive_busy_recall",
+        "naive_busy_false_findings_clean",
+        "min_z",
         "scenarios",
         "gpu_fault_latency",
     ):
         assert key in r, key
+    assert (r["rho"], r["sigma"], r["ranks_per_machine"]) == (0.98, 0.05, 8)
+    assert isinstance(r["machines"], int) and r["machines"] >= 16
     scenarios = r["scenarios"]
-    assert isinstance(scenarios, dict) and "clean" in scenarios and "two_stragglers" in scenarios
+    assert isinstance(scenarios, dict)
+    for name in ("clean", "two_stragglers", "node_ramp", "gpu_ramp", "node_intermittent"):
+        assert name in scenarios, name
     assert r["gpu_fault_latency"]["samples"] == 2  # type: ignore[index]

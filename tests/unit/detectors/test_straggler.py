@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import random
+from typing import Any
+
 import pytest
 
 from tmd import wire
@@ -9,23 +13,44 @@ from tmd.clock import SystemClock
 from tmd.daemon import events
 from tmd.daemon.plugins import Context
 from tmd.daemon.view import ClusterView
-from tmd.detectors.straggler import StragglerConfig, StragglerDetector, interquartile_mean, score
+from tmd.detectors.straggler import (
+    StragglerConfig,
+    StragglerDetector,
+    Threshold,
+    interquartile_mean,
+    robust_spread,
+    score,
+    thresholds,
+)
+from tmd.errors import ConfigError
 from tmd.tools import traces
 from tmd.tools.bench.detect import replay
+from tmd.tools.traces import Slowdown
 
-SHAPE = dict(ranks=16, ranks_per_node=4, steps=220)
+# A small quiet job: 4 machines of 4 ranks, no slow drift.
+QUIET: dict[str, Any] = dict(ranks=16, ranks_per_node=4, steps=220, sigma=0.0)
+# A job as hard as the bench's: 16 machines of 8 ranks drifting by 5% (rho 0.98).
+DRIFTING: dict[str, Any] = dict(ranks=128, ranks_per_node=8, steps=260, sigma=0.05, rho=0.98)
 
 
-def run(effects: traces.Effects, seed: int = 0, **shape: float) -> list[tuple[events.Event, int]]:
-    shaped = traces.JobShape(**{**SHAPE, **shape})  # type: ignore[arg-type]
+def run(
+    effects: traces.Effects, seed: int = 0, *, config: StragglerConfig | None = None, **shape: Any
+) -> list[tuple[events.Event, int]]:
+    shaped = traces.JobShape(**{**QUIET, **shape})
     trace = traces.generate("t", seed, shaped, effects)
     view = ClusterView()
-    det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
+    det = StragglerDetector(
+        config or StragglerConfig(), context=Context(view=view, clock=SystemClock())
+    )
     return replay(trace, [det], view).found
 
 
 def found(out: list[tuple[events.Event, int]]) -> list[tuple[str, int]]:
     return [(e.node, s) for e, s in out if isinstance(e, events.StragglerFound)]
+
+
+def kinds(out: list[tuple[events.Event, int]]) -> list[tuple[str, str]]:
+    return [(type(e).__name__, e.node) for e, _ in out if isinstance(e, events.Finding)]
 
 
 @pytest.mark.parametrize(
@@ -34,7 +59,7 @@ def found(out: list[tuple[events.Event, int]]) -> list[tuple[str, int]]:
         traces.Effects(),
         traces.Effects(job_slow=(50, 150, 1.5)),  # the whole job slows: nobody straggles
         traces.Effects(join={r: 100 for r in range(12, 16)}),  # a node joins late
-        traces.Effects(slow=[((5,), 60, None, 0.04)]),  # 4%: below the threshold
+        traces.Effects(slow=[Slowdown((5,), 60, None, 0.04)]),  # 4%: below the threshold
     ],
     ids=["clean", "job slowdown", "late join", "4 percent"],
 )
@@ -43,9 +68,21 @@ def test_no_finding(effects: traces.Effects) -> None:
         assert found(run(effects, seed)) == []
 
 
-@pytest.mark.parametrize(("ranks", "slowdown"), [((5,), 0.10), ((4, 5, 6, 7), 0.12), ((9,), 0.5)])
+@pytest.mark.parametrize(
+    "effects",
+    [traces.Effects(), traces.Effects(job_slow=(60, 160, 1.4))],
+    ids=["clean", "job slowdown"],
+)
+def test_no_finding_when_every_rank_drifts_slowly(effects: traces.Effects) -> None:
+    """Ranks wandering by 5% for ~50 steps at a time (and the job by 10%) are not
+    stragglers: the threshold follows the peers' spread, not a fixed 8%."""
+    for seed in range(2):
+        assert found(run(effects, seed, **DRIFTING)) == []
+
+
+@pytest.mark.parametrize(("ranks", "slowdown"), [((5,), 0.15), ((4, 5, 6, 7), 0.12), ((9,), 0.5)])
 def test_found_with_node_slowdown_and_onset(ranks: tuple[int, ...], slowdown: float) -> None:
-    out = run(traces.Effects(slow=[(ranks, 80, None, slowdown)]))
+    out = run(traces.Effects(slow=[Slowdown(ranks, 80, None, slowdown)]))
     (finding,) = [e for e, _ in out if isinstance(e, events.StragglerFound)]
     assert isinstance(finding, events.StragglerFound)
     assert finding.node == f"node-{ranks[0] // 4:03d}"
@@ -56,10 +93,48 @@ def test_found_with_node_slowdown_and_onset(ranks: tuple[int, ...], slowdown: fl
     assert step - 80 <= 50
 
 
+def test_a_whole_machine_10pct_slow_is_found_among_drifting_ranks() -> None:
+    """One rank 10% slow hides in a 5% drift; eight of them, averaged, do not."""
+    node = traces.node_ranks(6, traces.JobShape())
+    for seed in range(2):
+        out = run(traces.Effects(slow=[Slowdown(node, 100, None, 0.10)]), seed, **DRIFTING)
+        assert [n for n, _ in found(out)] == ["node-006"]
+        (finding,) = [e for e, _ in out if isinstance(e, events.StragglerFound)]
+        assert "ranks' mean" in finding.detail
+
+
+def test_a_blatant_straggler_is_found_without_waiting_to_persist() -> None:
+    slow = traces.Effects(slow=[Slowdown((6,), 80, None, 0.6)])
+    ((_, at),) = found(run(slow))
+    ((_, later),) = found(run(slow, config=StragglerConfig(persist_steps=40)))
+    assert at == later and at - 80 <= 20
+
+
+def test_a_ramp_is_found_once_it_stands_out() -> None:
+    out = run(traces.Effects(slow=[Slowdown((6,), 40, None, 0.4, ramp_steps=100)]))
+    ((node, step),) = found(out)
+    assert node == "node-001" and 40 < step < 140
+
+
+def test_a_slowdown_that_comes_and_goes_is_one_finding() -> None:
+    """Off for less than a window between slow stretches: not cleared in between, so
+    the policy sees one persistent straggler rather than a flapping one."""
+    slow = Slowdown(traces.node_ranks(2, traces.JobShape()), 40, None, 0.25, on_off=(40, 20))
+    out = run(traces.Effects(slow=[slow]), **DRIFTING)
+    assert kinds(out) == [("StragglerFound", "node-002")]
+
+
+def test_a_short_excursion_does_not_persist_long_enough() -> None:
+    burst = traces.Effects(slow=[Slowdown((6,), 80, 100, 0.2)])  # 20 steps, 20%
+    assert found(run(burst)) == []
+    assert [n for n, _ in found(run(burst, config=StragglerConfig(persist_steps=0)))] == [
+        "node-001"
+    ]
+
+
 def test_recovery_clears_and_a_later_slowdown_is_found_again() -> None:
-    out = run(traces.Effects(slow=[((2,), 40, 100, 0.2), ((2,), 150, None, 0.2)]))
-    kinds = [(type(e).__name__, e.node) for e, _ in out]
-    assert kinds == [
+    out = run(traces.Effects(slow=[Slowdown((2,), 40, 100, 0.2), Slowdown((2,), 160, None, 0.2)]))
+    assert kinds(out) == [
         ("StragglerFound", "node-000"),
         ("StragglerCleared", "node-000"),
         ("StragglerFound", "node-000"),
@@ -67,15 +142,15 @@ def test_recovery_clears_and_a_later_slowdown_is_found_again() -> None:
 
 
 def test_two_stragglers_at_once() -> None:
-    out = run(traces.Effects(slow=[((1,), 60, None, 0.15), ((13,), 70, None, 0.3)]))
+    out = run(traces.Effects(slow=[Slowdown((1,), 60, None, 0.15), Slowdown((13,), 70, None, 0.3)]))
     assert sorted(n for n, _ in found(out)) == ["node-000", "node-003"]
 
 
 def test_a_rank_that_moves_to_another_machine_clears_the_old_one() -> None:
     view = ClusterView()
     det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
-    shape = traces.JobShape(**SHAPE)  # type: ignore[arg-type]
-    trace = traces.generate("t", 0, shape, traces.Effects(slow=[((3,), 20, None, 0.3)]))
+    shape = traces.JobShape(**QUIET)
+    trace = traces.generate("t", 0, shape, traces.Effects(slow=[Slowdown((3,), 20, None, 0.3)]))
     out = replay(trace, [det], view, tail_s=0).found
     assert found(out) and found(out)[0][0] == "node-000"
     t = traces.T0 + 1e4
@@ -88,14 +163,46 @@ def test_a_rank_that_moves_to_another_machine_clears_the_old_one() -> None:
     )
     view.apply_iter(moved, t)
     cleared = list(det.tick(t))
-    assert [(type(e).__name__, e.node) for e in cleared] == [("StragglerCleared", "node-000")]
+    assert kinds([(e, 0) for e in cleared]) == [("StragglerCleared", "node-000")]
 
 
 def test_score_is_a_pure_function() -> None:
-    cfg = StragglerConfig(window_steps=8)
-    window = [(10 + i, r) for i, r in enumerate([1.0, 1.01, 1.2, 1.18, 1.22, 5.0, 1.19, 1.21])]
-    s = score(window, cfg)
-    assert s.since_step == 12  # the run of steps above 1.04 starts at step 12
+    th = Threshold(center=0.0, flag=math.log(1.08), clear=math.log(1.03))
+    ratios = [1.0, 1.01, 1.2, 1.18, 1.22, 5.0, 1.19, 1.21]
+    window = [(10 + i, math.log(r)) for i, r in enumerate(ratios)]
+    s = score(window, th)
+    assert s.since_step == 12  # the run of steps above half the threshold starts at 12
     assert s.confidence == pytest.approx(6 / 8)
-    assert s.slowdown == pytest.approx(interquartile_mean([r for _, r in window]) - 1)
+    assert s.level == pytest.approx(interquartile_mean([v for _, v in window]))
+    assert s.run_slowdown == pytest.approx(0.2, abs=0.01)  # the run alone, spike trimmed
+    shifted = score(window, Threshold(center=math.log(1.2), flag=th.flag, clear=th.clear))
+    assert shifted.level == pytest.approx(s.level - math.log(1.2))  # peers are the zero
     assert interquartile_mean([1, 2, 3, 4, 100, -50, 2.5, 3.5]) == pytest.approx(2.75)
+
+
+def test_thresholds_follow_the_peers_spread_above_the_floor() -> None:
+    cfg = StragglerConfig()  # min_slowdown 8%, clear 3%, min_zscore 5
+    quiet = thresholds([0.0, 0.01, -0.01], 0.005, cfg)
+    assert quiet.flag == pytest.approx(math.log(1.08))  # 5 x 0.5% is below the floor
+    assert quiet.clear == pytest.approx(math.log(1.03))
+    drifting = thresholds([0.02, 0.03, 0.04], 0.05, cfg)
+    assert drifting.center == pytest.approx(0.03)
+    assert drifting.flag == pytest.approx(0.25)
+    assert drifting.clear == pytest.approx(0.25 * math.log(1.03) / math.log(1.08))
+    assert thresholds([0.0] * 3, 0.05, StragglerConfig(min_zscore=0)).flag == quiet.flag
+
+
+def test_robust_spread_is_the_sigma_of_the_bulk_not_of_the_outliers() -> None:
+    rng = random.Random(1)
+    bulk = [rng.gauss(0, 0.05) for _ in range(500)]
+    assert robust_spread(bulk) == pytest.approx(0.05, rel=0.1)
+    assert robust_spread(bulk + [2.0] * 25) == pytest.approx(0.05, rel=0.15)
+    assert robust_spread([0.3]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("min_zscore", -1.0), ("persist_steps", -1), ("clear_slowdown", 0.5)]
+)
+def test_bad_config_fails_at_start(key: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=key):
+        StragglerConfig(**{key: value}).validate()  # type: ignore[arg-type]

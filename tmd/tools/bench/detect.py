@@ -1,11 +1,30 @@
 """``tmd bench detect``: how well and how fast the detectors find what is wrong.
 
-Replays seeded, labelled traces (``tmd.tools.traces``) through the real ``straggler`` and
+Replays seeded, labelled traces (``tmd.tools.traces``: 16 machines of 8 ranks, ranks
+that drift slowly, a job that drifts, jittery all-reduce timings, slowdowns that
+switch on, ramp up or come and go, two at once) through the real ``straggler`` and
 ``rank_stalled`` detectors on simulated time, matches their findings to the labels,
-and prints one JSON object. The baseline, in the same run, is the rule most job
-monitors start with: flag a rank whose step-time share of the job's total over a
-window exceeds its fair share by the same margin (``naive_*`` fields) — it sees
-through neither the all-reduce wait nor job-wide slowdowns.
+and prints one JSON object. ``--rho`` and ``--sigma`` set the ranks' drift.
+
+What the targets are about. A label counts for recall when it is a slowdown of at
+least ``MIN_SLOWDOWN`` lasting at least ``MIN_STEPS`` steps that is *separable*: its
+``z`` (``tmd.tools.traces.separability``) is at least ``MIN_Z``, i.e. at full strength
+it stands out from the ranks' slow drift and static spread (sigma and hw_spread
+together) by ``MIN_Z`` standard deviations, either on its slowest rank alone
+(``ln(1 + s) / noise``) or on its machine's mean over n ranks when k of them are slow
+(``k/n * ln(1 + s) * sqrt(n) / noise``). With the default drift (sigma 5%, rho 0.98)
+a whole machine 10% slow is separable (z 5.2) and one GPU 25% slow is not (z 4.3):
+a rank drifting by 5% for ~50 steps at a time shows as large and as lasting an
+excursion a few times in every job of 128 ranks, so a detector that found such a GPU
+would also raise false alarms on clean jobs. Labels in scope but not separable are
+reported apart (``inseparable_*``), not held against recall; a finding on any truly
+slowed machine is a true finding; every finding on a clean trace is a false one.
+
+Two baselines run in the same replay, the rules most job monitors start with: flag a
+rank whose mean over a window exceeds the median rank's by 8%, of its *step time*
+(``naive_*``: blind, since every rank waits for the slowest and step times are alike)
+and of its *busy time* (``naive_busy_*``: the same signal as the detector, without
+peer-relative noise, robust statistics or persistence).
 
 GPU faults are measured end to end instead: a private mosquitto, the real daemon,
 fatal XIDs published like an agent does; the latency is publish to ``GpuFault``.
@@ -16,11 +35,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +56,17 @@ from tmd.detectors.straggler import StragglerConfig, StragglerDetector
 from tmd.tools import traces
 
 MIN_SLOWDOWN = 0.10  # the labels the targets are about: >= 10% ...
-MIN_STEPS = 50  # ... lasting >= 50 steps
+MIN_STEPS = 50  # ... lasting >= 50 steps ...
+MIN_Z = 5.0  # ... standing out from the ranks' drift by >= 5 sigmas (module docstring)
+NAIVE_SLOWDOWN = 0.08  # the baselines' threshold: the detector's min_slowdown
+
+Found = list[tuple[events.Event, int]]  # (finding, the job's front step then)
 
 
 @dataclass
 class Outcome:
-    found: list[tuple[events.Event, int]] = field(default_factory=list)  # (finding, front step)
+    found: Found = field(default_factory=list)  # every detector's, in order
+    by: dict[str, Found] = field(default_factory=dict)  # by detector name
 
 
 def replay(
@@ -54,29 +81,35 @@ def replay(
     that consume messages, ticking every ``tick_s``; the detectors' context must hold
     the same ``view``."""
     dets = list(detectors)
-    out = Outcome()
+    out = Outcome(by={d.name: [] for d in dets})
+    observers = [d for d in dets if d.consumes]
     front = 0
     next_tick = trace.batches[0][0] + tick_s if trace.batches else 0.0
+
+    def record(d: Plugin, found: Iterable[events.Event]) -> None:
+        for e in found:
+            out.found.append((e, front))
+            out.by[d.name].append((e, front))
 
     def tick_until(t: float) -> None:
         nonlocal next_tick
         while next_tick <= t:
             for d in dets:
-                out.found.extend((e, front) for e in d.tick(next_tick))
+                record(d, d.tick(next_tick))
             next_tick += tick_s
 
     for t, batch in trace.batches:
         tick_until(t)
         front = max(front, batch.steps[-1].step)
         view.apply_iter(batch, t)
-        for d in dets:
-            if d.consumes:
-                out.found.extend((e, front) for e in d.observe(batch, t))
+        for d in observers:
+            record(d, d.observe(batch, t))
     tick_until(next_tick + tail_s)
     return out
 
 
-def _eligible(label: traces.Label, steps: int) -> bool:
+def in_scope(label: traces.Label, steps: int) -> bool:
+    """A straggler label of the size and duration the targets are about."""
     end = label.end_step if label.end_step is not None else steps + 1
     return (
         label.kind == "straggler"
@@ -85,104 +118,254 @@ def _eligible(label: traces.Label, steps: int) -> bool:
     )
 
 
-def _matches(label: traces.Label, node: str, step: int, window: int) -> bool:
+def separable(label: traces.Label) -> bool:
+    return label.z >= MIN_Z
+
+
+def matches(label: traces.Label, node: str, step: int, window: int) -> bool:
+    """Whether a finding on ``node`` at ``step`` is about ``label``: the same machine,
+    at or after the onset, and not long after the end."""
     if label.kind != "straggler" or label.node != node or step < label.start_step:
         return False
     return label.end_step is None or step <= label.end_step + 2 * window
 
 
-def score_trace(trace: traces.Trace, outcome: Outcome, window: int) -> dict[str, Any]:
-    found = [(e, s) for e, s in outcome.found if isinstance(e, events.StragglerFound)]
-    tp = [(e, s) for e, s in found if any(_matches(lb, e.node, s, window) for lb in trace.labels)]
-    latencies, detected, eligible = [], 0, 0
+@dataclass
+class TraceScore:
+    """One detector on one trace."""
+
+    scenario: str
+    findings: int = 0  # StragglerFound, all
+    true_findings: int = 0  # ... that match a straggler label
+    eligible: int = 0  # labels in scope and separable: what recall is about
+    detected: int = 0
+    inseparable: int = 0  # labels in scope, not separable: reported, not held to
+    inseparable_detected: int = 0
+    latencies: list[int] = field(default_factory=list)  # steps from onset, eligible only
+    cleared: list[bool] = field(default_factory=list)  # per label that ends
+    stalls: int = 0
+    stalls_found: int = 0
+    wrong_stalls: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return self.scenario.startswith("clean")
+
+
+def score_trace(trace: traces.Trace, found: Found, window: int) -> TraceScore:
+    """Match one detector's findings (``Outcome.by[name]``) to the trace's labels."""
+    out = TraceScore(trace.scenario)
+    hits = [(e.node, s) for e, s in found if isinstance(e, events.StragglerFound)]
+    out.findings = len(hits)
+    out.true_findings = sum(any(matches(lb, n, s, window) for lb in trace.labels) for n, s in hits)
     for lb in trace.labels:
-        if not _eligible(lb, trace.steps):
+        if not in_scope(lb, trace.steps):
             continue
-        eligible += 1
-        hits = [s for e, s in tp if _matches(lb, e.node, s, window)]
-        if hits:
-            detected += 1
-            latencies.append(min(hits) - lb.start_step)
-    cleared = [
+        steps = [s for n, s in hits if matches(lb, n, s, window)]
+        if not separable(lb):
+            out.inseparable += 1
+            out.inseparable_detected += bool(steps)
+            continue
+        out.eligible += 1
+        if steps:
+            out.detected += 1
+            out.latencies.append(min(steps) - lb.start_step)
+    out.cleared = [
         any(
             isinstance(e, events.StragglerCleared) and e.node == lb.node and s >= lb.end_step
-            for e, s in outcome.found
+            for e, s in found
         )
         for lb in trace.labels
         if lb.kind == "straggler" and lb.end_step is not None
     ]
-    stalls = [lb for lb in trace.labels if lb.kind == "stall"]
-    stall_found = [
-        any(isinstance(e, events.RankStalled) and e.rank == lb.ranks[0] for e, _ in outcome.found)
-        for lb in stalls
-    ]
-    wrong_stalls = [
-        e
-        for e, _ in outcome.found
-        if isinstance(e, events.RankStalled) and not any(e.rank == lb.ranks[0] for lb in stalls)
-    ]
-    return {
-        "findings": len(found),
-        "true_findings": len(tp),
-        "eligible": eligible,
-        "detected": detected,
-        "latencies": latencies,
-        "cleared": cleared,
-        "stalls": len(stalls),
-        "stalls_found": sum(stall_found),
-        "wrong_stalls": len(wrong_stalls),
-    }
+    stalled = {lb.ranks[0] for lb in trace.labels if lb.kind == "stall"}
+    reported = {e.rank for e, _ in found if isinstance(e, events.RankStalled)}
+    out.stalls, out.stalls_found = len(stalled), len(stalled & reported)
+    out.wrong_stalls = sum(
+        1 for e, _ in found if isinstance(e, events.RankStalled) and e.rank not in stalled
+    )
+    return out
 
 
 class NaiveDetector(Plugin):
-    """The baseline: a rank whose mean *step time* over the window exceeds the job's
-    mean by ``min_slowdown`` (what a dashboard alert on step time does)."""
+    """The baseline: a node with a rank whose mean *step time* over the window exceeds
+    the median rank's by ``min_slowdown`` (what a dashboard alert on step time does)."""
 
     name = "naive"
     consumes = (wire.IterBatch,)
 
     def __init__(self, window: int, min_slowdown: float) -> None:
         self.window, self.min = window, min_slowdown
-        self.hist: dict[int, list[float]] = {}
+        self.hist: dict[int, deque[float]] = {}
+        self.sums: dict[int, float] = {}  # of each rank's window, kept as it slides
         self.node: dict[int, str] = {}
         self.flagged: set[str] = set()
 
+    def value(self, s: wire.StepTiming) -> float:
+        return s.step_s
+
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:
-        h = self.hist.setdefault(event.rank, [])
-        h.extend(s.step_s for s in event.steps)
-        del h[: -self.window]
-        self.node[event.rank] = event.node
+        r = event.rank
+        h = self.hist.get(r)
+        if h is None:
+            h = self.hist[r] = deque()
+            self.sums[r] = 0.0
+        total = self.sums[r]
+        for s in event.steps:
+            v = self.value(s)
+            h.append(v)
+            total += v
+            if len(h) > self.window:
+                total -= h.popleft()
+        self.sums[r] = total
+        self.node[r] = event.node
         return ()
 
     def tick(self, now: float) -> Iterable[events.Event]:
-        means = {r: sum(h) / len(h) for r, h in self.hist.items() if len(h) == self.window}
+        """Flag a node when one of its ranks is above, re-arm it when none is (so a
+        baseline that fired early still gets to find a later straggler)."""
+        full = self.window
+        means = {r: self.sums[r] / full for r, h in self.hist.items() if len(h) == full}
         if len(means) < 3:
             return
         job = statistics.median(means.values())
+        above: dict[str, float] = {}
         for r, m in means.items():
-            node = self.node[r]
-            if m > job * (1 + self.min) and node not in self.flagged:
+            if m > job * (1 + self.min):
+                node = self.node[r]
+                above[node] = max(above.get(node, 0.0), m / job - 1)
+        for node in sorted(self.flagged - above.keys()):
+            self.flagged.discard(node)
+            yield events.StragglerCleared(ts=now, node=node)
+        for node, slowdown in above.items():
+            if node not in self.flagged:
                 self.flagged.add(node)
                 yield events.StragglerFound(
-                    ts=now, node=node, slowdown=m / job - 1, confidence=1.0, since_step=0
+                    ts=now, node=node, slowdown=slowdown, confidence=1.0, since_step=0
                 )
 
 
-def _summary(results: list[dict[str, Any]], clean: set[str]) -> dict[str, Any]:
-    findings = sum(r["findings"] for r in results)
-    lat = sorted(x for r in results for x in r["latencies"])
-    eligible = sum(r["eligible"] for r in results)
+class NaiveBusyDetector(NaiveDetector):
+    """The fair baseline: the same rule on *busy time* (step minus all-reduce wait), the
+    detector's own signal, without its peer-relative noise level or persistence."""
+
+    name = "naive_busy"
+
+    def value(self, s: wire.StepTiming) -> float:
+        return s.step_s - s.allreduce_s
+
+
+def run_trace(
+    trace: traces.Trace, scfg: StragglerConfig, rcfg: RankStalledConfig
+) -> dict[str, TraceScore]:
+    """One replay of ``trace`` through the detectors and both baselines, scored each:
+    ``ours`` (straggler and rank_stalled together), ``naive``, ``naive_busy``."""
+    view = ClusterView()
+    context = Context(view=view, clock=SystemClock())
+    dets: list[Plugin] = [
+        StragglerDetector(scfg, context=context),
+        RankStalledDetector(rcfg, context=context),
+        NaiveDetector(scfg.window_steps, NAIVE_SLOWDOWN),
+        NaiveBusyDetector(scfg.window_steps, NAIVE_SLOWDOWN),
+    ]
+    out = replay(trace, dets, view)
+    w = scfg.window_steps
     return {
-        "precision": round(sum(r["true_findings"] for r in results) / findings, 4)
-        if findings
-        else None,
-        "recall": round(sum(r["detected"] for r in results) / eligible, 4) if eligible else None,
-        "false_findings_clean": sum(
-            r["findings"] + r["wrong_stalls"] for r in results if r["scenario"] in clean
-        ),
+        "ours": score_trace(trace, out.by["straggler"] + out.by["rank_stalled"], w),
+        "naive": score_trace(trace, out.by["naive"], w),
+        "naive_busy": score_trace(trace, out.by["naive_busy"], w),
+    }
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return round(num / den, 4) if den else None
+
+
+def summary(scores: list[TraceScore]) -> dict[str, Any]:
+    """Precision, recall (of separable labels), false findings on clean traces, latency."""
+    lat = sorted(x for r in scores for x in r.latencies)
+    return {
+        "precision": _ratio(sum(r.true_findings for r in scores), sum(r.findings for r in scores)),
+        "recall": _ratio(sum(r.detected for r in scores), sum(r.eligible for r in scores)),
+        "false_findings_clean": sum(r.findings + r.wrong_stalls for r in scores if r.clean),
         "median_latency_steps": statistics.median(lat) if lat else None,
         "p95_latency_steps": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+        "inseparable_labels": sum(r.inseparable for r in scores),
+        "inseparable_recall": _ratio(
+            sum(r.inseparable_detected for r in scores), sum(r.inseparable for r in scores)
+        ),
     }
+
+
+_COUNTS = ("findings", "true_findings", "eligible", "detected", "inseparable")
+
+
+def _per_scenario(rows: list[TraceScore]) -> dict[str, Any]:
+    lat = [x for r in rows for x in r.latencies]
+    stalls = sum(r.stalls for r in rows)
+    out: dict[str, Any] = {"traces": len(rows)}
+    out.update({k: sum(getattr(r, k) for r in rows) for k in _COUNTS})
+    out.update(
+        inseparable_detected=sum(r.inseparable_detected for r in rows),
+        median_latency_steps=statistics.median(lat) if lat else None,
+        cleared_after_recovery=sum(c for r in rows for c in r.cleared) or None,
+        stalls_found=f"{sum(r.stalls_found for r in rows)}/{stalls}" if stalls else None,
+        wrong_stalls=sum(r.wrong_stalls for r in rows),
+    )
+    return out
+
+
+Work = tuple[str, int, traces.JobShape, StragglerConfig]
+
+
+def _score_one(work: Work) -> tuple[str, dict[str, TraceScore], float]:
+    """Build and replay one trace (in a worker process when ``jobs`` > 1)."""
+    scenario, seed, shape, scfg = work
+    started = time.process_time()
+    scored = run_trace(traces.build(scenario, seed, shape), scfg, RankStalledConfig())
+    return scenario, scored, time.process_time() - started
+
+
+def evaluate(
+    seeds: Iterable[int],
+    shape: traces.JobShape | None = None,
+    scenarios: Iterable[str] | None = None,
+    scfg: StragglerConfig | None = None,
+    *,
+    jobs: int = 1,
+) -> dict[str, Any]:
+    """The replay half of the bench: every scenario at every seed, through the
+    detectors and the baselines, on ``jobs`` processes (traces are independent and
+    seeded, so the result does not depend on it); what ``main`` prints, less the GPU
+    fault latency."""
+    shape = shape or traces.JobShape()
+    scfg = scfg or StragglerConfig()
+    work = [(sc, seed, shape, scfg) for sc in scenarios or traces.SCENARIOS for seed in seeds]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(_score_one, work))
+    else:
+        results = [_score_one(w) for w in work]
+    rows: dict[str, list[TraceScore]] = {"ours": [], "naive": [], "naive_busy": []}
+    by_scenario: dict[str, list[TraceScore]] = {}
+    for scenario, scored, _ in results:
+        for key, score in scored.items():
+            rows[key].append(score)
+        by_scenario.setdefault(scenario, []).append(scored["ours"])
+    ours = rows["ours"]
+    out = summary(ours)
+    stalls = sum(r.stalls for r in ours)
+    out["rank_stall_recall"] = _ratio(sum(r.stalls_found for r in ours), stalls)
+    for key in ("naive", "naive_busy"):
+        out.update({f"{key}_{k}": v for k, v in summary(rows[key]).items()})
+    cpu_s = round(sum(c for _, _, c in results), 2)
+    out.update(
+        min_slowdown=MIN_SLOWDOWN, min_steps=MIN_STEPS, min_z=MIN_Z, rho=shape.rho,
+        sigma=shape.sigma, machines=shape.nodes, ranks_per_machine=shape.ranks_per_node,
+        steps=shape.steps, traces=len(ours), replay_cpu_s=cpu_s,
+    )  # fmt: skip
+    out["scenarios"] = {sc: _per_scenario(rows) for sc, rows in by_scenario.items()}
+    return out
 
 
 async def gpu_fault_latency(samples: int) -> dict[str, Any]:
@@ -245,60 +428,25 @@ def main(argv: list[str]) -> int:
         default=0,
         help="seeds first..first+seeds-1 (another range is a hold-out set)",
     )
+    shape = traces.JobShape()
+    p.add_argument("--rho", type=float, default=shape.rho, help="ranks' drift: lag-one correlation")
+    p.add_argument(
+        "--sigma", type=float, default=shape.sigma, help="ranks' drift: standard deviation"
+    )
+    p.add_argument(
+        "--jobs", type=int, default=min(8, os.cpu_count() or 1), help="processes replaying"
+    )
     p.add_argument("--xids", type=int, default=20, help="fatal XIDs sent through the daemon")
     p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = p.parse_args(argv)
-    scfg, rcfg = StragglerConfig(), RankStalledConfig()
-    clean = {s for s in traces.SCENARIOS if s.startswith("clean")}
-    ours, baseline, per_scenario = [], [], {}
-    started = time.process_time()
-    for scenario in traces.SCENARIOS:
-        rows = []
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            trace = traces.build(scenario, seed)
-            view = ClusterView()
-            context = Context(view=view, clock=SystemClock())
-            dets: list[Plugin] = [
-                StragglerDetector(scfg, context=context),
-                RankStalledDetector(rcfg, context=context),
-            ]
-            r = score_trace(trace, replay(trace, dets, view), scfg.window_steps)
-            r["scenario"] = scenario
-            rows.append(r)
-            naive = [NaiveDetector(scfg.window_steps, 0.08)]
-            b = score_trace(trace, replay(trace, naive, ClusterView()), scfg.window_steps)
-            b["scenario"] = scenario
-            baseline.append(b)
-        ours.extend(rows)
-        lat = [x for r in rows for x in r["latencies"]]
-        per_scenario[scenario] = {
-            "traces": len(rows),
-            "findings": sum(r["findings"] for r in rows),
-            "true_findings": sum(r["true_findings"] for r in rows),
-            "eligible": sum(r["eligible"] for r in rows),
-            "detected": sum(r["detected"] for r in rows),
-            "median_latency_steps": statistics.median(lat) if lat else None,
-            "cleared_after_recovery": sum(c for r in rows for c in r["cleared"]) or None,
-            "stalls_found": (
-                f"{sum(r['stalls_found'] for r in rows)}/{sum(r['stalls'] for r in rows)}"
-                if any(r["stalls"] for r in rows)
-                else None
-            ),
-            "wrong_stalls": sum(r["wrong_stalls"] for r in rows),
-        }
-    replay_cpu_s = time.process_time() - started
-    out: dict[str, Any] = _summary(ours, clean)
-    stalls = sum(r["stalls"] for r in ours)
-    out["rank_stall_recall"] = (
-        round(sum(r["stalls_found"] for r in ours) / stalls, 4) if stalls else None
-    )
-    base = _summary(baseline, clean)
-    out.update({f"naive_{k}": v for k, v in base.items()})
-    out["min_slowdown"], out["min_steps"] = MIN_SLOWDOWN, MIN_STEPS
-    out["traces"] = len(ours)
-    out["replay_cpu_s"] = round(replay_cpu_s, 2)
+    if not (0 <= args.rho < 1 and 0 <= args.sigma <= 1):
+        p.error("--rho must be in [0, 1) and --sigma in [0, 1]")
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    shape = traces.JobShape(rho=args.rho, sigma=args.sigma)
+    out = evaluate(seeds, shape, jobs=max(1, args.jobs))
+    scenarios = out.pop("scenarios")
     out["gpu_fault_latency"] = asyncio.run(gpu_fault_latency(args.xids)) if args.xids else None
-    out["scenarios"] = per_scenario
+    out["scenarios"] = scenarios
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0
