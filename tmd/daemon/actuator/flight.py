@@ -142,6 +142,8 @@ class PhaseMachine:
             return Next("done", REPLACED_BY_RUNTIME) if ack.kind == "switched" else STAY
         if ack.kind == "failed" and flight.phase in ("preparing", "switching"):
             return Next("abort", f"{ack.node} failed: {ack.detail}")
+        if ack.kind == "failed" and flight.phase == "aborting":
+            return self.if_aborted(flight)  # a refuser's answer may be the last one
         if ack.kind == "aborted":
             if flight.phase != "aborting":
                 # A member aborted on its own (the joiner died, a member failed): the
@@ -175,6 +177,8 @@ class PhaseMachine:
         if flight.joiner in nodes and flight.leaver not in nodes:
             flight.switched_by_status = True
             return Next("switched")
+        if flight.switched_by_status:
+            return STAY  # it switched: a later change of members does not undo that
         if flight.phase != "aborting":
             # The membership changed under this migration (the runtime replaced a
             # dead rank, which ends any planned migration): it cannot go on.

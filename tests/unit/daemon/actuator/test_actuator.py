@@ -454,3 +454,142 @@ def test_an_answer_with_the_downtime_replaces_one_without(h: Harness) -> None:
     h.feed(ack(mid, "switched", "w0", 0.9))  # its answer to a resend carries it
     h.feed(ack(mid, "switched", "w1", 0.2))
     assert [e.downtime_s for e in h.finished()] == [0.9]
+
+
+def test_an_answer_from_another_job_with_the_same_id_is_not_ours(h: Harness) -> None:
+    mid = start(h)
+
+    def other(kind: str, node: str, mid: str = mid) -> wire.Ack:
+        return wire.Ack(ts=T0, job="other", migration_id=mid, kind=kind, node=node)  # type: ignore[arg-type]
+
+    assert h.feed(*(other("prepared", n) for n in WORKERS)) == []  # no Switch
+    assert h.feed(other("failed", "w1")) == []  # no Abort
+    assert h.actuator.flights[mid].phase == "preparing" and h.actuator.flights[mid].acks == {}
+    [switch] = h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    assert isinstance(switch, wire.Switch)
+    # The runtime's own failover ids repeat in every job: another job's answer does not
+    # end this job's failover, nor give it that job's downtime.
+    h.status(status(1, ["w0", "w1", "s0"], standbys={}), T0 + 3)
+    h.feed(*(ack(mid, "switched", n, 0.2) for n in ["w0", "w1", "s0"]))
+    h.status(status(2, ["s1", "w1", "s0"], standbys={}), T0 + 4)  # the runtime's failover
+    h.feed(other("switched", "w1", "failover-g1"))
+    assert [e.node for e in h.finished()] == ["w2"]
+    h.feed(ack("failover-g1", "switched", "w1", 0.7))
+    assert [(e.node, e.to, e.downtime_s) for e in h.finished()][1:] == [("w0", "s1", 0.7)]
+
+
+@pytest.mark.parametrize("first", ["aborted", "failed"])
+def test_an_abort_holds_its_guardrail_slot_until_every_member_confirmed(
+    h: Harness, first: str
+) -> None:
+    # "aborted": a member aborted on its own (the joiner died); "failed": a member
+    # refused, which counts as out, and the actuator sent the abort.
+    mid = start(h)
+    h.feed(ack(mid, first, "w1"))
+    h.feed(ack(mid, "aborted", "w0"))
+    assert h.finished() == [] and h.actuator.guard_state.in_flight == {JOB: 1}
+    assert h.actuator.on_event(migrate(node="w0"), T0 + 1) == []
+    assert "max_concurrent_per_job" in h.holds()[-1]
+    h.feed(ack(mid, "aborted", "w2"))
+    assert [e.outcome for e in h.finished()] == ["aborted"]
+    assert h.actuator.guard_state.in_flight == {}
+    [prepare] = h.actuator.on_event(migrate(node="w0"), T0 + 2)
+    assert isinstance(prepare, wire.Prepare)
+
+
+def test_a_switch_the_status_showed_stays_done_when_its_joiner_is_replaced_next(
+    h: Harness,
+) -> None:
+    # The switch happened (the status shows it), its acks are late, and then the joiner
+    # dies and the runtime puts another standby in its place: w2 did leave.
+    mid = start(h)
+    h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    h.status(status(1, ["w0", "w1", "s0"], standbys={"s1": "ready"}), T0 + 2)
+    h.status(status(2, ["w0", "w1", "s1"], standbys={}), T0 + 3)
+    h.actuator.on_tick(T0 + 3 + RUNTIME_ACK_GRACE_S)
+    assert [(e.node, e.to, e.outcome) for e in h.finished()] == [("s0", "s1", "done")]
+    h.actuator.on_tick(T0 + 30)
+    ends = [(e.migration_id, e.outcome) for e in h.finished()]
+    assert ends[1:] == [(mid, "done")]
+    row = h.journal.migration(mid)
+    assert row is not None and "acks missing" in row.detail["detail"]
+
+
+def test_a_member_that_aborted_on_its_own_has_the_others_told(h: Harness) -> None:
+    mid = start(h)
+    assert h.feed(wire.Ack(ts=T0, job=JOB, migration_id=mid, kind="aborted", node="w0",
+                           detail="the joiner s0 stopped beating")) == []  # fmt: skip
+    [abort] = h.actuator.on_tick(T0 + 5)  # the resend is the abort, not the prepare
+    assert isinstance(abort, wire.Abort) and abort.reason == "w0: the joiner s0 stopped beating"
+
+
+def test_a_restart_while_aborting_resends_the_abort_with_its_reason(h: Harness) -> None:
+    mid = start(h)
+    h.feed(wire.Ack(ts=T0, job=JOB, migration_id=mid, kind="failed", node="w1", detail="busy"))
+    h.restart()
+    h.status(status(state="migrating"), T0 + 10)
+    [abort] = h.actuator.reconcile(T0 + 12)
+    assert isinstance(abort, wire.Abort) and abort.reason == "w1 failed: busy"
+    h.feed(ack(mid, "aborted", "w0"), ack(mid, "aborted", "w2"), ack(mid, "failed", "w1"))
+    row = h.journal.migration(mid)
+    assert row is not None and (row.state, row.detail["detail"]) == ("aborted", "w1 failed: busy")
+
+
+def test_a_one_machine_job_whose_member_refuses_ends_at_once(h: Harness) -> None:
+    h.status(status(members=["w0"]))
+    [prepare] = h.actuator.on_event(migrate(node="w0"), T0)
+    assert isinstance(prepare, wire.Prepare)
+    [abort] = h.feed(ack(prepare.migration_id, "failed", "w0"), now=T0 + 1)
+    assert isinstance(abort, wire.Abort)
+    [end] = h.finished()
+    assert (end.outcome, end.ts) == ("aborted", T0 + 1)
+    assert h.actuator.guard_state.in_flight == {}
+
+
+def test_why_a_migration_ended_is_journaled(h: Harness) -> None:
+    mid = start(h)
+    h.status(status(1, ["s1", "w1", "w2"], standbys={}), T0 + 3)  # w0 replaced under it
+    row = h.journal.migration(mid)
+    assert row is not None and row.detail["detail"] == "the job's membership changed"
+
+
+def test_an_abort_the_old_group_confirms_by_its_status_keeps_its_reason(h: Harness) -> None:
+    mid = start(h)
+    [abort] = h.actuator.on_tick(T0 + 30)  # nobody prepared
+    assert isinstance(abort, wire.Abort)
+    h.status(status(ts=T0 + 40), T0 + 40)  # running, with the leaver: the abort took
+    h.actuator.on_tick(T0 + 30 + 60)  # no member answered it
+    row = h.journal.migration(mid)
+    assert row is not None and row.state == "aborted"
+    assert row.detail["detail"] == "timed out waiting for prepared from w0, w1, w2"
+
+
+def test_a_resumed_migration_ends_when_the_membership_changed_while_down(h: Harness) -> None:
+    mid = start(h)
+    h.restart()
+    # While the daemon was down the runtime replaced w0 (which drops a planned migration).
+    h.status(status(1, ["s1", "w1", "w2"], standbys={"s0": "ready"}), T0 + 10)
+    h.actuator.reconcile(T0 + 12)
+    h.status(status(1, ["s1", "w1", "w2"], standbys={"s0": "ready"}, ts=T0 + 15), T0 + 15)
+    assert (mid, "aborted") in [(e.migration_id, e.outcome) for e in h.finished()]
+
+
+def test_a_runtime_that_could_not_fail_over_names_the_job_and_the_machine(h: Harness) -> None:
+    h.status(status())
+    h.feed(wire.Ack(ts=T0, job=JOB, migration_id="failover-g0", kind="failed", node="w0",
+                    detail="no ready standby"))  # fmt: skip
+    [decision] = [e for e in h.emitted if isinstance(e, events.CheckpointRestart)]
+    assert (decision.job, decision.node) == (JOB, "w0")
+    assert decision.reason.endswith("no ready standby")
+
+
+def test_a_failed_answer_after_the_status_showed_the_switch_does_not_abort_it(
+    h: Harness,
+) -> None:
+    mid = start(h)
+    h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    h.status(status(1, ["w0", "w1", "s0"], standbys={}), T0 + 2)
+    assert h.feed(ack(mid, "failed", "w0"), now=T0 + 3) == []  # no Abort: it switched
+    assert h.actuator.flights[mid].phase == "switching"
+    h.feed(*(ack(mid, "switched", n, 0.2) for n in ["w0", "w1", "s0"]), now=T0 + 4)
+    assert [(e.migration_id, e.outcome) for e in h.finished()] == [(mid, "done")]

@@ -3,6 +3,8 @@ arrives, the time; no journal, no broker, no event loop."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from tmd import wire
@@ -49,6 +51,7 @@ def ack(kind: str, node: str, total_s: float | None = None, mid: str = "m1") -> 
     ],
 )  # fmt: skip
 def test_acks(before: Flight, answer: wire.Ack, expect: Next, phase: str) -> None:
+    before = copy.deepcopy(before)  # the table's flights are built once, at collection
     assert MACHINE.on_ack(before, answer, T0 + 1) == expect
     assert before.phase == phase
 
@@ -68,7 +71,7 @@ def test_acks(before: Flight, answer: wire.Ack, expect: Next, phase: str) -> Non
 )  # fmt: skip
 def test_ticks(before: Flight, at: float, expect: Next) -> None:
     job = JobView("j", state="running", members={0: "w0", 1: "w1", 2: "w2"})
-    assert MACHINE.on_tick(before, at, job) == expect
+    assert MACHINE.on_tick(copy.deepcopy(before), at, job) == expect
 
 
 def test_an_abort_nobody_confirmed_failed_and_a_switch_seen_in_the_status_is_done() -> None:
@@ -103,3 +106,82 @@ def test_a_machine_the_runtime_replaced_is_found_once_and_ours_are_not() -> None
     ]
     assert moved("j", before, after, switched_to={"y"}, replaced={("j", "a"): "x"}) == []
     assert moved("j", after, after, switched_to=set(), replaced={}) == []
+
+
+def test_the_joiners_prepared_does_not_stand_in_for_a_members() -> None:
+    # The standby answers "prepared" too; only the members' answers move it on.
+    f = flight(prepared=["w0", "w1"])
+    assert MACHINE.on_ack(f, ack("prepared", "s0"), T0 + 1) == Next("none")
+    assert MACHINE.on_ack(f, ack("prepared", "w2"), T0 + 2) == Next("switch")
+
+
+def test_a_failed_answer_while_switching_aborts() -> None:
+    f = flight("switching", switched=["w0"])
+    assert MACHINE.on_ack(f, ack("failed", "w1"), T0 + 1) == Next("abort", "w1 failed: ")
+
+
+def test_more_answers_do_not_push_the_phase_deadline_back() -> None:
+    f = flight()
+    MACHINE.set_phase(f, "aborting", T0)
+    deadline = f.deadline
+    MACHINE.on_ack(f, ack("aborted", "w0"), T0 + 5)
+    assert (f.phase, f.deadline) == ("aborting", deadline)
+    MACHINE.set_phase(f, "switching", T0)
+    deadline = f.deadline
+    MACHINE.on_ack(f, ack("switched", "w0"), T0 + 5)
+    assert (f.phase, f.deadline) == ("switching", deadline)
+
+
+def test_a_runtime_failover_waits_for_its_donors_switched_answer() -> None:
+    f = flight("runtime")
+    assert MACHINE.on_ack(f, ack("failed", "w0", mid="failover-g3"), T0 + 1) == Next("none")
+    assert MACHINE.on_tick(f, T0 + 29, None) == Next("none")
+    assert MACHINE.on_status(f, 9, {"w0", "w1", "x"}) == Next("none")  # not ours to abort
+    assert MACHINE.on_tick(f, T0 + 30, None).action == "done"
+
+
+def test_a_repeat_without_the_downtime_does_not_replace_one_with_it() -> None:
+    f = flight("switching")
+    f.keep(ack("switched", "w0", 0.9))
+    f.keep(ack("switched", "w0"))  # a late copy of an answer from before it measured
+    assert outcome_record(f, "done")[1] == 0.9
+
+
+def test_the_commands_carry_the_job_the_id_and_the_time() -> None:
+    f = flight()
+    f.abort_reason = "x" * 2000  # a member's detail can be long; the wire bounds it
+    assert MACHINE.command(f, T0 + 1) == wire.Prepare(
+        ts=T0 + 1, job="j", migration_id="m1", leaver="w2", joiner="s0", deadline_s=30
+    )
+    f.phase = "switching"
+    assert MACHINE.command(f, T0 + 2) == wire.Switch(ts=T0 + 2, job="j", migration_id="m1")
+    f.phase = "aborting"
+    abort = MACHINE.command(f, T0 + 3)
+    assert abort == wire.Abort(ts=T0 + 3, job="j", migration_id="m1", reason="x" * 1000)
+    assert wire.decode(wire.encode(abort), wire.Control) == abort
+    assert f.next_send == T0 + 3 + 5
+
+
+def test_the_journal_keeps_the_worst_downtime_and_its_breakdown() -> None:
+    f = flight("switching")
+    parts = {"stop_s": 0.1, "transfer_s": 0.05, "switch_s": 0.2, "first_step_s": 0.05}
+    f.keep(ack("switched", "w0", 0.2))
+    f.keep(ack("switched", "s0", 0.3))
+    f.keep(wire.Ack(ts=T0, job="j", migration_id="m1", kind="switched", node="w1",
+                    downtime=wire.Downtime(total_s=0.4, **parts)))  # fmt: skip
+    f.keep(ack("switched", "w2", 9.0))  # the leaver's
+    assert outcome_record(f, "done", "late") == (
+        {"outcome": "done", "detail": "late", "downtime_s": 0.4, "downtime_median_s": 0.3,
+         "breakdown": parts},
+        0.4,
+    )  # fmt: skip
+    assert outcome_record(flight(), "aborted", "why") == (
+        {"outcome": "aborted", "detail": "why"},
+        None,
+    )
+
+
+def test_a_refusers_answer_to_the_abort_can_be_the_last_one() -> None:
+    f = flight(aborted=["w0", "w2"])
+    MACHINE.set_phase(f, "aborting", T0)
+    assert MACHINE.on_ack(f, ack("failed", "w1"), T0 + 1) == Next("aborted", "")

@@ -80,3 +80,37 @@ def test_config_errors_name_the_key() -> None:
     with pytest.raises(ConfigError) as err:
         GuardrailsConfig(max_per_hour=0).validate()
     assert err.value.key == "guardrails.max_per_hour"
+
+
+def test_the_cooldown_ends_exactly_node_cooldown_s_after_the_start() -> None:
+    cfg = GuardrailsConfig(node_cooldown_s=100, min_standby_pool=0)
+    state = GuardState()
+    state.record_start(migrate(), T0)
+    state.record_end("a")
+    blocked = check(migrate(job="b"), config=cfg, state=state, ready_standbys=1, now=T0 + 40)
+    assert blocked and "was migrated 40 s ago" in blocked and "node_cooldown_s" in blocked
+    blocked = check(migrate(job="b"), config=cfg, state=state, ready_standbys=1, now=T0 + 99.5)
+    assert blocked and "node_cooldown_s" in blocked
+    assert check(migrate(job="b"), config=cfg, state=state, ready_standbys=1, now=T0 + 100) is None
+
+
+def test_each_migration_in_flight_holds_one_of_the_jobs_slots() -> None:
+    cfg = GuardrailsConfig(max_concurrent_per_job=2, node_cooldown_s=0, min_standby_pool=0)
+    state = GuardState()
+    state.record_end("a")  # nothing in flight: harmless (a migration ended twice)
+    assert state.in_flight == {}
+    state.record_start(migrate(node="n0"), T0)
+    state.record_start(migrate(node="n1"), T0)
+    blocked = check(migrate(node="n2"), config=cfg, state=state, ready_standbys=1, now=T0)
+    assert blocked and "max_concurrent_per_job" in blocked
+    state.record_end("a")
+    assert state.in_flight == {"a": 1}
+    assert check(migrate(node="n2"), config=cfg, state=state, ready_standbys=1, now=T0) is None
+    state.record_end("a")
+    assert state.in_flight == {}
+
+
+def test_without_a_ready_standby_even_a_failover_is_held() -> None:
+    verdict = check(migrate("failover"), config=GuardrailsConfig(), state=GuardState(),
+                    ready_standbys=0, now=T0)  # fmt: skip
+    assert verdict == "no ready standby"
