@@ -50,6 +50,8 @@ class Actuator:
     ) -> None:
         self.config = config
         self.guard = guard
+        self.reconciled = asyncio.Event()
+        """Set once ``run`` has subscribed and reconciled what the journal holds."""
         self.guard_state = guardrails.GuardState()
         self.view = view
         self.journal = journal
@@ -265,6 +267,7 @@ class Actuator:
             await subscribed.wait()
             await asyncio.sleep(self.config.settle_s)
             await self._send(self._guarded(self.reconcile, clock.now(), "reconcile"), publish)
+            self.reconciled.set()
             while True:
                 batch = await sub.batch(TICK_S)
                 out: list[wire.Message] = []

@@ -54,6 +54,8 @@ from tmd.daemon.view import ClusterView
 from tmd.detectors.rank_stalled import RankStalledConfig, RankStalledDetector
 from tmd.detectors.straggler import StragglerConfig, StragglerDetector
 from tmd.tools import traces
+from tmd.tools.bench import Progress
+from tmd.tools.bench.measure import Load
 
 MIN_SLOWDOWN = 0.10  # the labels the targets are about: >= 10% ...
 MIN_STEPS = 50  # ... lasting >= 50 steps ...
@@ -442,11 +444,13 @@ def main(argv: list[str]) -> int:
     if not (0 <= args.rho < 1 and 0 <= args.sigma <= 1):
         p.error("--rho must be in [0, 1) and --sigma in [0, 1]")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    shape = traces.JobShape(rho=args.rho, sigma=args.sigma)
+    shape, load, progress = traces.JobShape(rho=args.rho, sigma=args.sigma), Load(), Progress()
+    progress.say(f"replaying the traces of {args.seeds} seeds")
     out = evaluate(seeds, shape, jobs=max(1, args.jobs))
     scenarios = out.pop("scenarios")
     out["gpu_fault_latency"] = asyncio.run(gpu_fault_latency(args.xids)) if args.xids else None
     out["scenarios"] = scenarios
+    out["machine"] = load.as_dict()
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -73,7 +73,7 @@ async def test_an_unexpected_error_is_counted_and_the_actuator_carries_on(
         )
 
     try:
-        await asyncio.sleep(0.05)  # subscribed and reconciled
+        await asyncio.wait_for(actuator.reconciled.wait(), 10)
         view.apply_job_status(status(), T0)
         bus.publish(status())  # the first one meets the bug
         await eventually(lambda: errors() == 1.0)
