@@ -124,13 +124,21 @@ def interquartile_mean(values: list[float]) -> float:
     return sum(middle) / len(middle)
 
 
+# Croux and Rousseeuw's small-sample factors for the MAD (1992; R's robustbase uses
+# them): from few values it is biased low, by a third with three.
+_MAD_SMALL_N = {2: 1.196, 3: 1.495, 4: 1.363, 5: 1.206, 6: 1.200, 7: 1.140, 8: 1.129, 9: 1.107}
+
+
 def robust_spread(values: list[float]) -> float:
-    """Standard deviation estimated as 1.4826 x the median absolute deviation: the
-    stragglers among the values do not inflate it."""
-    if len(values) < 2:
+    """Standard deviation estimated as 1.4826 x the median absolute deviation, with the
+    small-sample correction: the stragglers among the values do not inflate it, and a
+    job of three machines does not take its noise for a third of what it is."""
+    n = len(values)
+    if n < 2:
         return 0.0
     center = statistics.median(values)
-    return MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
+    small = _MAD_SMALL_N.get(n, n / (n - 0.8))
+    return small * MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
 
 
 def thresholds(levels: list[float], spread: float, config: StragglerConfig) -> Threshold:
@@ -228,8 +236,14 @@ class StragglerDetector(Detector):
         # The rings hold the last `window` steps of each rank; older ones are gone.
         oldest = front - min(r.window for r in ranks.values()) + 1
         touched: set[Key] = set()
+        # A machine's ranks as the view places them, not as a step's reports happen to
+        # show them: a lost telemetry message must not restart its history.
+        placed: dict[str, list[int]] = {}
+        for r, state in ranks.items():
+            placed.setdefault(state.node, []).append(r)
+        machines = {node: tuple(sorted(rs)) for node, rs in placed.items()}
         for step in range(max(job.frontier + 1, oldest), ready + 1):
-            self._add_step(vjob, job, step, touched)
+            self._add_step(vjob, job, step, machines, touched)
         job.frontier = max(job.frontier, ready)
         stale = job.frontier - job.spread_step >= SPREAD_EVERY or job.rank_threshold is None
         if touched and stale:
@@ -237,8 +251,16 @@ class StragglerDetector(Detector):
         for key in touched:
             yield from self._judge(name, job, key, now)
 
-    def _add_step(self, vjob: JobView, job: _Job, step: int, touched: set[Key]) -> None:
-        """Append every rank's and every machine's value for ``step``."""
+    def _add_step(
+        self,
+        vjob: JobView,
+        job: _Job,
+        step: int,
+        machines: dict[str, tuple[int, ...]],
+        touched: set[Key],
+    ) -> None:
+        """Append every rank's and every machine's value for ``step``; a machine's is
+        the mean over those of its ranks (``machines``) that reported the step."""
         cfg = self.config
         logs: dict[int, float] = {}
         for r, state in vjob.ranks.items():
@@ -256,16 +278,17 @@ class StragglerDetector(Detector):
             unit.window.append((step, v - median))
             touched.add(r)
             by_node.setdefault(unit.node, []).append((r, v - median))
-        if len(by_node) < cfg.min_ranks or len(by_node) == len(logs):
+        if len(by_node) < cfg.min_ranks or all(len(m) == 1 for m in machines.values()):
             return  # too few machines to compare, or one rank each: the ranks say it all
         for node, values in by_node.items():
             unit = job.machines.get(node)
             if unit is None:
                 unit = job.machines[node] = _Unit(node, deque(maxlen=cfg.window_steps))
-            members = tuple(r for r, _ in values)
+            members = machines.get(node, ())
             if members != unit.members:
-                unit.window.clear()  # other ranks: its history is another machine's
-                unit.members = members
+                # Other ranks placed on it: its history is another machine's.
+                unit.window.clear()
+                unit.members, unit.hot_since = members, None
             unit.window.append((step, sum(v for _, v in values) / len(values)))
             touched.add(node)
 
@@ -305,6 +328,7 @@ class StragglerDetector(Detector):
                     yield from self._unflag(name, job, unit.node, old, now, f"rank {r} moved away")
                 unit.node = state.node
                 unit.window.clear()
+                unit.hot_since = None
 
     def _unit(self, job: _Job, key: Key) -> _Unit:
         return job.ranks[key] if isinstance(key, int) else job.machines[key]

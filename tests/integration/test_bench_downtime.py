@@ -23,7 +23,7 @@ def test_the_smallest_downtime_bench_measures_every_method_consistently() -> Non
     r: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
 
     noise = r["step_noise_s"]
-    assert noise >= 0
+    assert noise is not None and noise >= 0  # 14 steps are enough to measure it
     for name in ("live", "cold_standby", "failover"):
         method = r[name]
         median = method["median_step_s"]

@@ -73,8 +73,8 @@ def test_step_noise_takes_the_latest_rank_and_is_zero_without_enough_steps() -> 
             row(0, 5, 5.0), row(1, 5, 5.5)]  # fmt: skip
     # Latest ends 3.2, 4.1, 5.5: gaps 0.9 and 1.4, median 1.15, deviations 0.25 both.
     assert measure.step_noise(rows) == pytest.approx(0.25)
-    assert measure.step_noise([row(0, 3, 3.0)]) == 0.0
-    assert measure.step_noise([]) == 0.0
+    assert measure.step_noise([row(0, 3, 3.0), row(0, 4, 4.0)]) is None  # one gap
+    assert measure.step_noise([]) is None
 
 
 @pytest.mark.parametrize(
@@ -85,10 +85,11 @@ def test_step_noise_takes_the_latest_rank_and_is_zero_without_enough_steps() -> 
         (10.0, -0.05, 0.1, 100.0),  # measured below zero
         (10.0, 0.0, 0.0, None),  # nothing to divide by: no ratio, no ZeroDivisionError
         (10.0, -0.1, 0.0, None),
+        (10.0, 0.001, None, None),  # noise not measurable: no ratio, however small 1 ms is
     ],
 )
 def test_a_ratio_divides_by_the_larger_of_the_downtime_and_the_noise(
-    numerator: float, denominator: float, noise: float, want: float | None
+    numerator: float, denominator: float, noise: float | None, want: float | None
 ) -> None:
     got = measure.ratio(numerator, denominator, noise)
     assert got == (pytest.approx(want) if want is not None else None)
@@ -98,6 +99,7 @@ def test_the_plain_ratio_exists_only_above_the_noise() -> None:
     assert measure.above_noise(10.0, 0.5, 0.1) == pytest.approx(20.0)
     assert measure.above_noise(10.0, 0.05, 0.1) is None
     assert measure.above_noise(10.0, 0.0, 0.0) is None
+    assert measure.above_noise(10.0, 0.5, None) is None
 
 
 def test_worst_takes_the_larger_of_the_records_and_the_runtime() -> None:
@@ -132,7 +134,7 @@ def test_a_restarts_parts_are_consecutive_and_add_up_to_its_downtime() -> None:
     parts = measure.restart_parts(before, after, at=5, median=1.0, exited=7.0)
 
     assert parts == pytest.approx({
-        "stop_s": 5.1 - 5.2, "save_s": 6.5 - 5.1, "exit_s": 7.0 - 6.5, "start_s": 15.5 - 7.0,
+        "stop_s": 5.3 - 5.2, "save_s": 6.5 - 5.3, "exit_s": 7.0 - 6.5, "start_s": 15.5 - 7.0,
         "init_group_s": 16.2 - 15.5, "load_s": 18.5 - 16.2, "first_step_s": 30.5 - 18.5 - 1.0,
     })  # fmt: skip
     rows_before = [r for rec in before for r in rec["steps"]]

@@ -296,6 +296,11 @@ def summary(scores: list[TraceScore]) -> dict[str, Any]:
         "inseparable_recall": _ratio(
             sum(r.inseparable_detected for r in scores), sum(r.inseparable for r in scores)
         ),
+        # Over every label of >= MIN_SLOWDOWN lasting >= MIN_STEPS, separable or not.
+        "recall_all_labels": _ratio(
+            sum(r.detected + r.inseparable_detected for r in scores),
+            sum(r.eligible + r.inseparable for r in scores),
+        ),
     }
 
 

@@ -45,34 +45,38 @@ def downtime(before: list[list[Any]], after: list[list[Any]], at: int, median: f
     return float(t_after - t_before - median)
 
 
-def step_noise(rows: list[list[Any]], first: int = 3) -> float:
+def step_noise(rows: list[list[Any]], first: int = 3) -> float | None:
     """How far an ordinary step strays from the median, measured like a downtime (the
     gap between the latest rank's ends of two consecutive steps, minus the median
     gap): the 90th percentile of its size, over steps from ``first`` on (the first
-    ones warm up). A downtime under it is not measurable. 0.0 when there are too
+    ones warm up). A downtime under it is not measurable. None when there are too
     few steps to tell."""
     ends: dict[int, float] = {}
     for row in rows:
         ends[row[1]] = max(ends.get(row[1], row[3]), row[3])
     gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s >= first and s - 1 in ends]
-    if not gaps:
-        return 0.0
+    if len(gaps) < 2:
+        return None
     median = statistics.median(gaps)
     devs = sorted(abs(g - median) for g in gaps)
     return float(devs[int(0.9 * (len(devs) - 1))])
 
 
-def ratio(numerator: float, denominator: float, noise: float) -> float | None:
+def ratio(numerator: float, denominator: float, noise: float | None) -> float | None:
     """``numerator`` over the larger of ``denominator`` and the step ``noise``: a
-    denominator lost in the noise cannot make the ratio explode. None when both are
-    zero or below (too few steps to measure the noise)."""
+    denominator lost in the noise cannot make the ratio explode. None when the noise
+    could not be measured (too few steps), or both are zero or below."""
+    if noise is None:
+        return None
     floor = max(denominator, noise)
     return numerator / floor if floor > 0 else None
 
 
-def above_noise(numerator: float, denominator: float, noise: float) -> float | None:
+def above_noise(numerator: float, denominator: float, noise: float | None) -> float | None:
     """The plain ratio, only where its denominator is measurable (above the noise)."""
-    return numerator / denominator if denominator > noise and denominator > 0 else None
+    if noise is None or denominator <= max(noise, 0.0):
+        return None
+    return numerator / denominator
 
 
 def parts_of(downtimes: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -102,7 +106,7 @@ def restart_parts(
     ``t_built``), forming their group (``t_entered``), loading (``t_loaded``), and the
     first step's excess over a median one."""
     t_stop = max(row[3] for r in before for row in r["steps"] if row[1] == at - 1)
-    save_start = min(r["save"][0] for r in before)
+    save_start = max(r["save"][0] for r in before)
     save_end = max(r["save"][1] for r in before)
     built = max(r["t_built"] for r in after)
     entered = max(r["t_entered"] for r in after)
