@@ -18,7 +18,7 @@ def bench(*args: str) -> dict[str, object]:
         timeout=240,
         check=True,
     )
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, object] = json.loads(out.stdout)  # the JSON object alone
     return result
 
 

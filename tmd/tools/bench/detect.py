@@ -46,7 +46,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tmd import wire
+from tmd import log, wire
 from tmd.clock import SystemClock
 from tmd.daemon import events
 from tmd.daemon.plugins import Context, Plugin
@@ -446,6 +446,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--xids", type=int, default=20, help="fatal XIDs sent through the daemon")
     p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = p.parse_args(argv)
+    log.setup(level="warning")  # on stderr: stdout carries the JSON alone
     if not (0 <= args.rho < 1 and 0 <= args.sigma <= 1):
         p.error("--rho must be in [0, 1) and --sigma in [0, 1]")
     seeds = range(args.first_seed, args.first_seed + args.seeds)

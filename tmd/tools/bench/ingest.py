@@ -37,7 +37,7 @@ from typing import Any
 import aiomqtt
 
 from tmd import config as config_mod
-from tmd import wire
+from tmd import log, wire
 from tmd.daemon.daemon import Daemon
 from tmd.daemon.ingest import Ingest
 from tmd.tools import synth
@@ -295,6 +295,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = p.parse_args(argv)
+    log.setup(level="warning")  # on stderr: stdout carries the JSON alone
     load, progress = measure.Load(), Progress()
     with ExitStack() as stack:
         if args.broker:
