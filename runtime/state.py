@@ -10,6 +10,7 @@ and is the only thing that moves at the switch.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import random
 from collections.abc import Mapping
@@ -155,5 +156,7 @@ def pack(obj: Any) -> torch.Tensor:
 
 def unpack(tensor: torch.Tensor) -> Any:
     # Only peers of the same job, over the job's own store-authenticated channel,
-    # ever send these bytes.
-    return pickle.loads(tensor.numpy().tobytes())
+    # ever send these bytes. Read straight from the tensor's memory: ``.numpy()``
+    # would make numpy a requirement of the runtime, which it is not.
+    flat = tensor.detach().to("cpu", torch.uint8).contiguous()
+    return pickle.loads(ctypes.string_at(flat.data_ptr(), flat.numel()))

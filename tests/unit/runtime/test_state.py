@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import numpy
 import pytest
@@ -106,3 +108,18 @@ def test_reducer_gives_a_parameter_without_gradient_zeros() -> None:
     used(torch.randn(1, 3)).sum().backward()
     reducer.load(None)
     assert unused.weight.grad is not None and not unused.weight.grad.any()
+
+
+def test_small_state_travels_without_numpy() -> None:
+    """``pip install 'tmd[runtime]'`` brings torch, not numpy: packing and unpacking the
+    small state must not need it (``Tensor.numpy()`` aborted every migration)."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import torch\n"
+        "from tmd.runtime.state import pack, unpack\n"
+        "state = {'step': 7, 'rng': list(range(5)), 'name': 'w1'}\n"
+        "assert unpack(pack(state)) == state\n"
+        "both = torch.cat([pack('x'), pack(state)])\n"
+        "assert unpack(both[len(pack('x')):]) == state  # a view at an offset\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

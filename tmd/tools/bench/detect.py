@@ -456,7 +456,7 @@ def main(argv: list[str]) -> int:
     scenarios = out.pop("scenarios")
     out["gpu_fault_latency"] = asyncio.run(gpu_fault_latency(args.xids)) if args.xids else None
     out["scenarios"] = scenarios
-    out["machine"] = load.as_dict()
+    out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -434,7 +434,7 @@ def main(argv: list[str]) -> int:
             "prepare_slowdown": live.get("prepare_slowdown"),
             "lockstep_slowdown": live.get("lockstep_slowdown"),
         }
-    result["machine"] = load.as_dict()
+    result["host_load"] = load.as_dict()
     print(json.dumps(result, indent=None))
     return 0
 

@@ -335,7 +335,7 @@ def main(argv: list[str]) -> int:
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
             out.update(_search(host, port, args.ranks, out["holds_target"], args.flush_s))
-    out["machine"] = load.as_dict()
+    out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0
