@@ -184,14 +184,16 @@ class LocalJob:
         while True:
             codes = {node: proc.poll() for node, proc in self.procs.items()}
             now = time.monotonic()
-            stopped = self.job_stopped()  # read after polling: a clean end is seen
+            status = self.status()  # read after polling, once: a clean end is seen
+            stopped = status is not None and status.state == "stopped"
+            members = self._members(status)
             # Every member gone counts as an end too, whatever the status says (its
             # last write may be lost with the process): idle standbys get ``grace``.
-            members_gone = all(codes.get(m, 0) is not None for m in self.members())
+            members_gone = all(codes.get(m, 0) is not None for m in members)
             if stopped_at is None and (stopped or members_gone):
                 stopped_at = now
-            self._served.update(self.members())
-            if needs_restart(codes, self.members(), stopped=stopped):
+            self._served.update(members)
+            if needs_restart(codes, members, stopped=stopped):
                 return True
             if all(code is not None for code in codes.values()):
                 return False
@@ -224,7 +226,9 @@ class LocalJob:
 
     def members(self) -> list[str]:
         """The nodes holding a rank, as the job last reported them."""
-        status = self.status()
+        return self._members(self.status())
+
+    def _members(self, status: wire.JobStatus | None) -> list[str]:
         if status is None:
             return [spec.node for spec in self.specs if spec.role == "worker"]
         return [member.node for member in status.members]
