@@ -241,10 +241,6 @@ class LocalJob:
         )
         return status
 
-    def job_stopped(self) -> bool:
-        status = self.status()
-        return status is not None and status.state == "stopped"
-
     def kill(self, node: str, sig: int = signal.SIGKILL) -> None:
         self.procs[node].send_signal(sig)
 
