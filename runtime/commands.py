@@ -22,7 +22,7 @@ from tmd.runtime.migration import VOTE_ABORT, VOTE_READY, Migration
 if TYPE_CHECKING:
     from tmd.runtime.session import Session
 
-AckKind = Literal["prepared", "switched", "failed", "aborted"]
+AckKind = Literal["prepared", "switched", "failed", "aborted", "restarting"]
 
 
 class Commands:
@@ -88,7 +88,7 @@ class Commands:
         self.settle(mig.id, "aborted", detail=mig.abort_reason or "aborted by a member")
         self._session.publish_status()
 
-    def _handle(self, message: wire.Prepare | wire.Switch | wire.Abort) -> None:
+    def _handle(self, message: wire.Control) -> None:
         mig = self.current
         if isinstance(message, wire.Prepare):
             self._prepare(message)

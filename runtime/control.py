@@ -43,7 +43,7 @@ def standby_key(node: str) -> str:
 
 
 class ControlChannel(Protocol):
-    def poll(self) -> list[wire.Prepare | wire.Switch | wire.Abort]: ...
+    def poll(self) -> list[wire.Control]: ...
     def ack(self, ack: wire.Ack) -> None: ...
     def publish_status(self, status: wire.JobStatus) -> None: ...
     def stopped(self) -> bool: ...
@@ -201,7 +201,7 @@ class StoreControl:
             status = msgspec.json.decode(self._store.get(STATUS_KEY), type=wire.JobStatus)
             self._stopped = status.state == "stopped"
 
-    def poll(self) -> list[wire.Prepare | wire.Switch | wire.Abort]:
+    def poll(self) -> list[wire.Control]:
         out = []
         while not self._inbox.empty():
             out.append(self._inbox.get_nowait())
@@ -242,7 +242,7 @@ class JobController:
         self._acks: list[wire.Ack] = []
         self._next_ack = 1
 
-    def send(self, message: wire.Prepare | wire.Switch | wire.Abort) -> None:
+    def send(self, message: wire.Control) -> None:
         append(self._store, CTL_LOG, wire.encode(message))
 
     def prepare(self, migration_id: str, *, leaver: str, joiner: str) -> None:

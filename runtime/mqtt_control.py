@@ -48,7 +48,7 @@ class MqttControl:
         self.job = job
         self.rejected = 0
         self.published = 0
-        self._inbox: queue.SimpleQueue[wire.Prepare | wire.Switch | wire.Abort] = (
+        self._inbox: queue.SimpleQueue[wire.Control] = (
             queue.SimpleQueue()
         )
         self._stopped = False
@@ -108,7 +108,7 @@ class MqttControl:
 
     # -- ControlChannel ----------------------------------------------------------------
 
-    def poll(self) -> list[wire.Prepare | wire.Switch | wire.Abort]:
+    def poll(self) -> list[wire.Control]:
         out = []
         while not self._inbox.empty():
             out.append(self._inbox.get_nowait())

@@ -11,6 +11,7 @@ names are single topic segments.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Collection, Iterable
 from typing import Annotated, Any, Final, Literal
 
@@ -141,17 +142,35 @@ class IterBatch(Message, kw_only=True, frozen=True):
     steps: Annotated[list[StepTiming], msgspec.Meta(min_length=1, max_length=MAX_STEPS_PER_BATCH)]
 
 
+def default_node_name() -> str:
+    """A machine's name when none is configured: its host name, the name the agent
+    publishes under, DCGM-exporter's ``Hostname`` label and every rank on the machine
+    share (``TMD_NODE``'s default). Characters a topic segment may not hold become
+    ``-``."""
+    name = socket.gethostname()[:128] or "localhost"
+    return "".join(c if c.isalnum() or c in "_.:@-" else "-" for c in name)
+
+
 class Member(msgspec.Struct, array_like=True, frozen=True):
-    """``[rank, node]``."""
+    """``[rank, node, local_rank]``: a rank of the job, the machine it runs on, and its
+    index among that machine's ranks (its GPU on a GPU cluster). A payload from before
+    machines had local ranks is ``[rank, node]`` and decodes with ``local_rank`` None:
+    one rank per machine."""
 
     rank: Rank
     node: Name
+    local_rank: GpuIndex | None = None
 
 
 class StandbyInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """A standby machine: ``slots`` processes on ``node``, one per local rank, each
+    warmed up. It is ``ready`` once every slot is, and can then replace a machine
+    that runs ``slots`` ranks of the job."""
+
     node: Name
     state: Literal["warming", "ready", "joining", "failed"]
     warmup_s: Seconds | None = None
+    slots: Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS_PER_NODE)] = 1
 
 
 class JobStatus(Message, kw_only=True, frozen=True):
@@ -162,27 +181,38 @@ class JobStatus(Message, kw_only=True, frozen=True):
     world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
     members: Annotated[list[Member], msgspec.Meta(max_length=MAX_MEMBERS)]
     standbys: Annotated[list[StandbyInfo], msgspec.Meta(max_length=4096)] = []
-    state: Literal["running", "migrating", "stopped"] = "running"
+    state: Literal["running", "migrating", "stopped", "restarting"] = "running"
     step: Step = 0
+    excluded: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
+    """Machines a ``Restart`` asked the job to go on without: what a launcher reads to
+    start the next run elsewhere (state ``restarting``)."""
 
 
-def ready_standbys(standbys: Iterable[StandbyInfo], members: Collection[str]) -> list[str]:
-    """The standbys, by name, that said they are ready and are not yet members: what
-    a job's own status offers. The daemon adds what only it knows, the health and GPU
-    model of their nodes (``ClusterView.ready_standbys``)."""
-    return sorted(s.node for s in standbys if s.state == "ready" and s.node not in members)
+def ready_standbys(
+    standbys: Iterable[StandbyInfo], members: Collection[str], *, slots: int | None = None
+) -> list[str]:
+    """The standby machines, by name, that said they are ready and are not yet members:
+    what a job's own status offers; with ``slots``, only those that can take a machine
+    of that many ranks. The daemon adds what only it knows, the health and GPU model of
+    their nodes (``ClusterView.ready_standbys``)."""
+    return sorted(
+        s.node
+        for s in standbys
+        if s.state == "ready" and s.node not in members and (slots is None or s.slots == slots)
+    )
 
 
 # -- job control: daemon -> runtime, and acks back -------------------------------------
 
 
 class Prepare(Message, kw_only=True, frozen=True, tag_field="cmd", tag="prepare"):
-    """Phase 1: build the next group with ``joiner`` in place of ``leaver``."""
+    """Phase 1: build the next group with ``joiner`` in place of ``leaver``: every rank
+    of the leaving machine is replaced by the joiner's slot of the same local rank."""
 
     job: Name
     migration_id: Name
-    leaver: Name  # node going out
-    joiner: Name  # standby node coming in
+    leaver: Name  # machine going out
+    joiner: Name  # standby machine coming in
     deadline_s: Seconds = 60.0
 
 
@@ -200,7 +230,18 @@ class Abort(Message, kw_only=True, frozen=True, tag_field="cmd", tag="abort"):
     reason: Text = ""
 
 
-Control = Prepare | Switch | Abort
+class Restart(Message, kw_only=True, frozen=True, tag_field="cmd", tag="restart"):
+    """Checkpoint at the next boundary, record ``node`` as excluded in the job's status,
+    and exit for a restart without that machine: what the daemon asks for when no
+    standby machine can replace a faulty machine whose processes still run."""
+
+    job: Name
+    migration_id: Name
+    node: Name
+    reason: Text = ""
+
+
+Control = Prepare | Switch | Abort | Restart
 
 
 class Downtime(msgspec.Struct, kw_only=True, frozen=True):
@@ -222,9 +263,14 @@ class Ack(Message, kw_only=True, frozen=True):
 
     job: Name
     migration_id: Name
-    kind: Literal["prepared", "switched", "failed", "aborted"]
+    kind: Literal["prepared", "switched", "failed", "aborted", "restarting"]
+    """``restarting``: the answer to a ``Restart``, the checkpoint written and the
+    machine recorded as excluded; the process exits next."""
     node: Name
     rank: Rank | None = None
+    local_rank: GpuIndex | None = None
+    """Which of the machine's processes answers: a machine of K ranks answers K times
+    (None from a runtime before machines: one process per machine)."""
     generation: Count | None = None
     at_step: Step | None = None
     downtime: Downtime | None = None

@@ -63,11 +63,12 @@ def test_round_trip(message: wire.Message) -> None:
         wire.Prepare(ts=TS, job="j", migration_id="m1", leaver="a", joiner="s"),
         wire.Switch(ts=TS, job="j", migration_id="m1", at_step=100),
         wire.Abort(ts=TS, job="j", migration_id="m1", reason="operator"),
+        wire.Restart(ts=TS, job="j", migration_id="r1", node="h", reason="ECC"),
     ],
 )
 def test_control_union_decodes_by_cmd_tag(command: wire.Message) -> None:
     data = wire.encode(command)
-    assert json.loads(data)["cmd"] in ("prepare", "switch", "abort")
+    assert json.loads(data)["cmd"] in ("prepare", "switch", "abort", "restart")
     assert wire.decode(data, wire.Control) == command
 
 
@@ -137,3 +138,47 @@ def test_topics() -> None:
     assert wire.iter_topic("j", 3) == "tmd/v1/job/j/rank/3/iter"
     assert wire.node_topic("n", "xid") == "tmd/v1/node/n/xid"
     assert wire.job_topic("j", "ctl") == "tmd/v1/job/j/ctl"
+
+
+def test_machine_fields_are_additive() -> None:
+    # A status from a runtime before machines: members are [rank, node], standbys
+    # have no slots. It still decodes, as machines of one rank.
+    old = b'{"v":1,"ts":1,"job":"j","generation":0,"world_size":2,"members":[[0,"a"],[1,"b"]],'
+    old += b'"standbys":[{"node":"s","state":"ready"}]}'
+    status = wire.decode(old, wire.JobStatus)
+    assert [(m.rank, m.node, m.local_rank) for m in status.members] == [
+        (0, "a", None),
+        (1, "b", None),
+    ]
+    assert status.standbys[0].slots == 1
+    # A new member is [rank, node, local_rank]; a decoder that knows only two
+    # elements (an old daemon) ignores the third.
+    new = wire.encode(wire.Member(3, "h", 1))
+    assert json.loads(new) == [3, "h", 1]
+
+    class OldMember(wire.msgspec.Struct, array_like=True, frozen=True):
+        rank: int
+        node: str
+
+    assert wire.msgspec.json.decode(new, type=OldMember) == OldMember(3, "h")
+
+
+def test_ready_standbys_match_the_machine_size() -> None:
+    infos = [
+        wire.StandbyInfo(node="s1", state="ready", slots=2),
+        wire.StandbyInfo(node="s2", state="ready", slots=1),
+        wire.StandbyInfo(node="s3", state="warming", slots=2),
+    ]
+    assert wire.ready_standbys(infos, set()) == ["s1", "s2"]
+    assert wire.ready_standbys(infos, set(), slots=2) == ["s1"]
+    assert wire.ready_standbys(infos, {"s1"}, slots=2) == []
+
+
+def test_default_node_name_is_a_topic_segment() -> None:
+    name = wire.default_node_name()
+    assert (
+        wire.decode(
+            wire.encode(wire.NodeStatus(ts=1.0, node=name, state="online")), wire.NodeStatus
+        ).node
+        == name
+    )
