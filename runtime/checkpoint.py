@@ -177,6 +177,19 @@ def save(session: Session) -> int | None:
     return None
 
 
+def agreed_latest(session: Session) -> int | None:
+    """Every worker, after a ``save``: the latest complete checkpoint as rank 0 sees
+    it, the same answer on every rank (None: there is none)."""
+    key = f"tmd/ckpt/latest-after/{session.state.step}"
+    if session.rank == 0:
+        step = latest_step(_root(session))
+        put(session.store, key, json.dumps(step).encode())
+        return step
+    session.store.wait([key], session.config.group_timeout)
+    found: int | None = json.loads(bytes(session.store.get(key)))
+    return found
+
+
 def restore(session: Session) -> int | None:
     """Load the latest complete checkpoint on every worker; rank 0 picks it. Returns
     its step, or None where there is none (the job starts at step 0)."""

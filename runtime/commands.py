@@ -1,4 +1,4 @@
-"""The control commands as a member acts on them: prepare, switch and abort.
+"""The control commands as a member acts on them: prepare, switch, abort and restart.
 
 A member holds at most one planned migration (``Commands.current``). Commands are
 read at the step boundary: a ``prepare`` starts a migration or is refused, a
@@ -7,6 +7,12 @@ carried decide, on every member at the same step, whether it switches
 (``tmd.runtime.switch``) or aborts. Commands can come twice (a lost ack, a restarted
 controller) or late: each migration id is acted on once, and a repeat is answered
 with what already happened, with the downtime this member measured if it switched.
+
+A ``restart`` (checkpoint, then exit for a restart without a machine) is refused
+by a job without a checkpoint directory; otherwise the first member to read it
+stores it in the job's store and votes for it, and at the boundary where the vote
+is counted every member reads the same command there and ends its run
+(``Session._restart``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import torch
 
 from tmd import wire
 from tmd.runtime import switch
+from tmd.runtime.control import standbys
 from tmd.runtime.migration import VOTE_ABORT, VOTE_READY, Migration
+
+RESTART_KEY = "tmd/restart"
 
 if TYPE_CHECKING:
     from tmd.runtime.session import Session
@@ -35,6 +44,7 @@ class Commands:
         self.seen: set[str] = set()
         self.outcomes: dict[str, AckKind] = {}
         self.downtimes: dict[str, wire.Downtime] = {}  # by migration id, as acked
+        self.restart_asked = False  # this member holds a Restart: it votes for it
 
     # -- at the step boundary ----------------------------------------------------------
 
@@ -90,7 +100,9 @@ class Commands:
 
     def _handle(self, message: wire.Control) -> None:
         mig = self.current
-        if isinstance(message, wire.Prepare):
+        if isinstance(message, wire.Restart):
+            self._restart(message)
+        elif isinstance(message, wire.Prepare):
             self._prepare(message)
         elif mig is not None and message.migration_id == mig.id:
             if isinstance(message, wire.Switch):
@@ -99,6 +111,35 @@ class Commands:
                 mig.abort_reason = message.reason or "aborted by controller"
         elif message.migration_id in self.outcomes:
             self._answer_repeat(message.migration_id)
+
+    def _restart(self, message: wire.Restart) -> None:
+        s = self._session
+        if not self.first_seen(message.migration_id):
+            if message.migration_id in self.outcomes:
+                self._answer_repeat(message.migration_id)
+            return
+        if s.config.checkpoint_dir is None:
+            detail = "no checkpoint_dir: this job cannot checkpoint before a restart"
+            self.settle(message.migration_id, "failed", detail=detail)
+            return
+        if message.node not in s.membership.nodes:
+            detail = f"{message.node} is not a member of generation {s.membership.generation}"
+            self.settle(message.migration_id, "failed", detail=detail)
+            return
+        # The first member to read it stores it; every member restarts on that one.
+        s.store.compare_set(RESTART_KEY, "", wire.encode(message).decode())
+        self.restart_asked = True
+
+    def end_for_restart(self) -> wire.Restart:
+        """The restart every member agreed on; a planned migration ends with it."""
+        mig = self.current
+        if mig is not None:
+            mig.close(tell_joiner=mig.is_leaver)
+            self.current = None
+            self.settle(mig.id, "aborted", detail="the job restarts")
+        order: wire.Restart = wire.decode(bytes(self._session.store.get(RESTART_KEY)),
+                                          wire.Restart)  # fmt: skip
+        return order
 
     def _prepare(self, message: wire.Prepare) -> None:
         s, mig = self._session, self.current
@@ -113,18 +154,35 @@ class Commands:
         if mig is not None:
             self.settle(message.migration_id, "failed", detail=f"busy with {mig.id}")
             return
-        nodes = s.membership.nodes
-        if message.joiner in nodes or message.leaver not in nodes:
-            self.settle(message.migration_id, "failed", detail="leaver or joiner not valid")
+        refused = self._refusal(message)
+        if refused:
+            self.settle(message.migration_id, "failed", detail=refused)
             return
         cfg, env = s.config, s.env
         self.current = Migration.start(
-            message, me=env.node, membership=s.membership, store=env.store,
+            message, rank=s.rank, membership=s.membership, store=env.store,
             timeout=cfg.group_timeout, backend=env.backend, host=env.host,
             ahead=cfg.prepare_ahead, eager_copy=cfg.eager_copy,
             joiner_timeout=cfg.joiner_timeout,
         )  # fmt: skip
         s.publish_status("migrating")
+
+    def _refusal(self, message: wire.Prepare) -> str:
+        """Why this member refuses ``message`` ('' if it does not): the leaver must be a
+        machine of the job, the joiner a standby machine outside it with one slot per
+        rank of the leaver. Every member reads the same membership and registry, so
+        they all refuse alike."""
+        nodes = self._session.membership.nodes
+        if message.joiner in nodes or message.leaver not in nodes:
+            return "leaver or joiner not valid"
+        ranks = len(self._session.membership.ranks_of(message.leaver))
+        found = [i for i in standbys(self._session.store) if i.node == message.joiner]
+        if found and found[0].slots != ranks:
+            return (
+                f"standby machine {message.joiner} has {found[0].slots} slots, "
+                f"the leaver {message.leaver} runs {ranks} ranks"
+            )
+        return ""
 
     # -- answers -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 from torch._C._distributed_c10d import Store
@@ -38,8 +38,8 @@ STATUS_KEY = "tmd/status"
 STANDBY_LIST = "tmd/standbys"
 
 
-def standby_key(node: str) -> str:
-    return f"tmd/standby/{node}"
+def standby_key(slot: str) -> str:
+    return f"tmd/standby/{slot}"
 
 
 class ControlChannel(Protocol):
@@ -75,19 +75,48 @@ def read_from(store: Store, log: str, start: int) -> list[bytes]:
     return [bytes(store.get(f"{log}/{i}")) for i in range(start, count + 1)]
 
 
-def register_standby(store: Store, info: wire.StandbyInfo) -> None:
-    first = not store.check([standby_key(info.node)])
-    put(store, standby_key(info.node), wire.encode(info))
+def register_standby(store: Store, info: wire.StandbyInfo, *, local_rank: int = 0) -> None:
+    """Record the state of one slot of a standby machine (``info.slots`` slots)."""
+    slot = f"{info.node}/{local_rank}"
+    first = not store.check([standby_key(slot)])
+    put(store, standby_key(slot), wire.encode(info))
     if first:
-        store.append(STANDBY_LIST, f"{info.node},")  # type: ignore[attr-defined]
+        store.append(STANDBY_LIST, f"{slot},")  # type: ignore[attr-defined]
 
 
 def standbys(store: Store) -> list[wire.StandbyInfo]:
+    """The standby machines, each as one entry: ``ready`` once every one of its slots
+    is, ``failed`` if any failed, ``joining`` while any joins, else ``warming``; its
+    warm-up is its slowest slot's."""
     if not store.check([STANDBY_LIST]):
         return []
-    names = [n for n in bytes(store.get(STANDBY_LIST)).decode().split(",") if n]
-    found = [msgspec.json.decode(store.get(standby_key(n)), type=wire.StandbyInfo) for n in names]
-    return found
+    slots = [n for n in bytes(store.get(STANDBY_LIST)).decode().split(",") if n]
+    by_node: dict[str, list[wire.StandbyInfo]] = {}
+    for slot in slots:
+        info = msgspec.json.decode(store.get(standby_key(slot)), type=wire.StandbyInfo)
+        by_node.setdefault(info.node, []).append(info)
+    return [_machine(infos) for infos in by_node.values()]
+
+
+def _machine(infos: list[wire.StandbyInfo]) -> wire.StandbyInfo:
+    states = {i.state for i in infos}
+    size = max(i.slots for i in infos)
+    state: Literal["warming", "ready", "joining", "failed"]
+    if "failed" in states:
+        state = "failed"
+    elif "joining" in states:
+        state = "joining"
+    elif states == {"ready"} and len(infos) >= size:
+        state = "ready"
+    else:
+        state = "warming"
+    warmups = [i.warmup_s for i in infos]
+    warmup = (
+        max(w for w in warmups if w is not None)
+        if state == "ready" and None not in warmups
+        else None
+    )
+    return wire.StandbyInfo(node=infos[0].node, state=state, warmup_s=warmup, slots=size)
 
 
 def with_standbys(registry: list[wire.StandbyInfo], status: wire.JobStatus) -> wire.JobStatus:
@@ -261,6 +290,10 @@ class JobController:
             wire.Switch(ts=time.time(), job=self.job, migration_id=migration_id, at_step=at_step)
         )
 
+    def restart(self, migration_id: str, *, node: str, reason: str = "") -> None:
+        self.send(wire.Restart(ts=time.time(), job=self.job, migration_id=migration_id,
+                               node=node, reason=reason))  # fmt: skip
+
     def abort(self, migration_id: str, *, reason: str = "") -> None:
         self.send(
             wire.Abort(ts=time.time(), job=self.job, migration_id=migration_id, reason=reason)
@@ -280,7 +313,8 @@ class JobController:
         count: int,
         timeout: timedelta = timedelta(seconds=60),
     ) -> list[wire.Ack]:
-        """Block until ``count`` nodes acked ``kind`` for ``migration_id``; raises
+        """Block until ``count`` processes acked ``kind`` for ``migration_id`` (a
+        machine of K ranks answers K times, once per local rank); raises
         MigrationError on a ``failed`` ack or on timeout."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
@@ -288,7 +322,7 @@ class JobController:
             if kind != "failed" and any(a.kind == "failed" for a in mine):
                 raise MigrationError(f"{migration_id}: {[a.detail for a in mine]}")
             found = [a for a in mine if a.kind == kind]
-            if len({a.node for a in found}) >= count:  # a repeated ack counts once
+            if len({(a.node, a.local_rank) for a in found}) >= count:  # a repeat counts once
                 return found
             if time.monotonic() > deadline:
                 raise MigrationError(f"{migration_id}: {len(found)}/{count} {kind} acks")

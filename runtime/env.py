@@ -5,9 +5,15 @@
 =====================  =========================================================
 ``TMD_ROLE``           ``worker`` (default) or ``standby``
 ``TMD_JOB``            job name, one MQTT topic segment (default ``job``)
-``TMD_NODE``           this process's node name; must be unique in the job
-                       (default ``{hostname}-r{RANK}``, standbys must set it)
+``TMD_NODE``           this process's machine: every rank on one machine shares
+                       it, and it is the name the machine's agent publishes under
+                       (default: the host name, ``tmd.wire.default_node_name``)
 ``RANK``               data-parallel rank of a worker (ignored for a standby)
+``LOCAL_RANK``         this process's index on its machine, its GPU (default 0);
+                       (node, local rank) is unique in the job. A standby machine's
+                       slot of local rank i takes the leaver's rank of local rank i
+``LOCAL_WORLD_SIZE``   processes on this machine (default ``LOCAL_RANK + 1``); a
+                       standby machine of K slots replaces a machine of K ranks
 ``WORLD_SIZE``         number of workers; never changes across migrations
 ``MASTER_ADDR``        host of the job's TCPStore server
 ``MASTER_PORT``        its port
@@ -27,11 +33,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from tmd import wire
 from tmd.errors import ConfigError
 from tmd.runtime.group import StoreAddress
 
@@ -50,6 +56,13 @@ class RuntimeEnv:
     backend: str
     broker: str | None = None
     restart_count: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def slot(self) -> str:
+        """This process's name in the job: its machine and local rank."""
+        return slot_name(self.node, self.local_rank)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -73,11 +86,15 @@ class RuntimeEnv:
                 raise ConfigError(
                     "MASTER_ADDR", "set MASTER_ADDR/MASTER_PORT or TMD_STORE"
                 ) from None
-        node = env.get("TMD_NODE")
-        if node is None:
-            if role == "standby":
-                raise ConfigError("TMD_NODE", "a standby must be given its node name")
-            node = f"{socket.gethostname()}-r{rank}"
+        node = env.get("TMD_NODE") or wire.default_node_name()
+        local_rank = _count(env, "LOCAL_RANK", 0)
+        local_world_size = _count(env, "LOCAL_WORLD_SIZE", local_rank + 1)
+        if not 0 <= local_rank < local_world_size <= wire.MAX_GPUS_PER_NODE:
+            raise ConfigError(
+                "LOCAL_RANK",
+                f"{local_rank} is outside 0..{local_world_size - 1} (LOCAL_WORLD_SIZE "
+                f"{local_world_size}, at most {wire.MAX_GPUS_PER_NODE})",
+            )
         restarts = env.get("TMD_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if not restarts.isdigit():
             raise ConfigError("TMD_RESTART_COUNT", f"must be a count, got {restarts!r}")
@@ -94,4 +111,20 @@ class RuntimeEnv:
             backend=env.get("TMD_BACKEND", "gloo"),
             broker=env.get("TMD_BROKER") or None,
             restart_count=int(restarts),
+            local_rank=local_rank,
+            local_world_size=local_world_size,
         )
+
+
+def slot_name(node: str, local_rank: int) -> str:
+    """A process's name in the job: ``node/local_rank``."""
+    return f"{node}/{local_rank}"
+
+
+def _count(env: Mapping[str, str], key: str, default: int) -> int:
+    value = env.get(key, "")
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ConfigError(key, f"must be a count, got {value!r}")
+    return int(value)

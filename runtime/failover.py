@@ -1,34 +1,45 @@
-"""Unplanned replacement: a rank died; a standby takes its place from a replica.
+"""Unplanned replacement: a machine died; a standby machine takes its place from replicas.
 
-No rollback. A data-parallel rank dies during step ``t``; the survivors' gradient
-all-reduce of ``t`` fails, and none of them has applied ``t``. Each survivor then:
+No rollback. The machine is the unit: a host whose processes die (all K of them,
+or only some: a machine that lost a rank is not trusted with the others) is
+replaced as a whole by a ready standby machine of K slots, its rank of local rank i
+by the standby's slot i. The ranks of a machine die during step ``t``; the
+survivors' gradient all-reduce of ``t`` fails, and none of them has applied ``t``.
+Each survivor then:
 
-1. registers as alive for the current generation in the store and waits up to
-   ``SessionConfig.detect_timeout`` for ``world - 1`` registrations. What it saw
-   (exactly one rank missing, every survivor at the same step; or not) is its
-   proposal; the first proposal stored wins (``compare_set``), so all survivors
-   act on one decision even when their views raced;
-2. the lowest surviving rank (the *donor*) waits up to ``standby_wait`` for a ready
-   standby and publishes the plan, addressed to that standby's key;
-3. everyone builds the next generation's group with the standby in the dead
-   rank's place, and the donor sends the standby its bulk state (still that of
+1. registers as alive for the current generation in the store and waits for the
+   others: until ``world - 1`` registered, or the missing ranks are whole machines
+   and nobody registered for ``SessionConfig.detect_settle``, or
+   ``detect_timeout``. What it saw (the machines with a missing rank, every
+   survivor outside them at the same step; or not) is its proposal; the first
+   proposal stored wins (``compare_set``), so all survivors act on one decision
+   even when their views raced. A live process on a lost machine leaves the job;
+2. the lowest surviving rank waits up to ``standby_wait`` for one ready standby
+   machine of the right size per lost machine and publishes the plan, addressed
+   to every slot of those standbys; each rank to replace gets a *donor*, the
+   survivors in turn;
+3. everyone builds the next generation's group with the standby slots in the dead
+   ranks' places, and each donor sends its slots its bulk state (still that of
    step ``t - 1``, identical on every replica) and the small state, with the data
    position the dead rank had at the start of ``t``;
 4. the survivors re-run the all-reduce of ``t`` on the new group from their
-   still-intact local gradients, while the standby computes the dead rank's
+   still-intact local gradients, while the standbys compute the dead ranks'
    gradients for ``t`` in the user's loop. Step ``t`` completes at full size, and
-   the donor acks ``switched`` for ``failover-g{generation}`` with the downtime:
-   step ``t``'s duration minus a median step (``Recovery.downtime``).
+   the lowest survivor acks ``switched`` for ``failover-g{generation}`` with the
+   downtime: step ``t``'s duration minus a median step (``Recovery.downtime``).
 
-Should a member of the new group die during that re-run, the same protocol runs
-again for the next generation. Where this cannot serve (more than one rank lost,
-survivors at different steps, no standby ready within ``standby_wait``, or a
-failure while recovering) every survivor acks ``failed`` for
-``failover-g{generation}``, saying which checkpoint the job rolls back to, and
-raises ``RestartRequired``: the job is restarted and every rank resumes from the
-latest checkpoint (``tmd.runtime.checkpoint``).
+Two machines lost at once are replaced by two standby machines when two are
+ready, in the same generation. Should a member of the new group die during that
+re-run, the same protocol runs again for the next generation. Where this cannot
+serve (survivors at different steps, no survivor outside the lost machines, too
+few ready standby machines of the right size within ``standby_wait``, or a failure
+while recovering) every survivor acks ``failed`` for ``failover-g{generation}``,
+saying which checkpoint the job rolls back to, and raises ``RestartRequired``: the
+job is restarted and every rank resumes from the latest checkpoint
+(``tmd.runtime.checkpoint``).
 
-The dead rank's RNG streams are lost with it; the joiner continues with the donor's.
+The dead ranks' RNG streams are lost with them; each joiner continues with its
+donor's.
 
 Both sides end in a ``Reconfiguration`` (the survivors' in ``Recovery.change``) that
 the session applies; nothing here writes the session's group or membership.
@@ -48,6 +59,7 @@ from tmd import wire
 from tmd.errors import MigrationError, RestartRequired
 from tmd.runtime.checkpoint import latest_step
 from tmd.runtime.control import put, standbys
+from tmd.runtime.env import slot_name
 from tmd.runtime.group import make_group
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.transfer import Kind, TransferChannel
@@ -60,20 +72,24 @@ Decision = dict[str, Any]
 
 @dataclass(frozen=True)
 class Recovery:
-    """One survivor's part in replacing a dead rank; durations in seconds."""
+    """One survivor's part in replacing lost machines; durations in seconds."""
 
     id: str
-    dead: int
-    joiner: str
-    is_donor: bool
+    swaps: dict[str, str]
+    """Each lost machine and the standby machine that replaces it."""
+    reports: bool
+    """This survivor acks the failover for the job (the lowest surviving rank)."""
     detect_s: float
     """From the start of the failed collective to the agreed decision."""
     transfer_s: float
-    """The donor's state transfer to the joiner (0 on the other survivors)."""
+    """This survivor's state transfers to its joiners (0 if it donates to none)."""
     build_s: float
     """Building the next generation's group."""
     change: Reconfiguration
     """This survivor's place in the next generation's group."""
+
+    def describe(self) -> str:
+        return ", ".join(f"{lost} replaced by {new}" for lost, new in self.swaps.items())
 
     def downtime(self, step_start: float, step_end: float, median_step_s: float) -> wire.Downtime:
         """The failed step against a median one: what the failure cost the job, from
@@ -90,17 +106,18 @@ class Recovery:
         )
 
 
-def plan_key(node: str) -> str:
-    return f"tmd/failover/{node}"
+def plan_key(slot: str) -> str:
+    return f"tmd/failover/{slot}"
 
 
 def _prefix(generation: int) -> str:
     return f"tmd/fail/g{generation}"
 
 
-class _Replaced(MigrationError):
-    """This rank was counted dead by the others and replaced: the job goes on
-    without this process, so this is no reason to restart the job."""
+class Replaced(MigrationError):
+    """This process's machine was counted lost and replaced (it registered too late,
+    or a sibling on its machine died): the job goes on without this process, so this
+    is no reason to restart the job."""
 
 
 def failure_reported(store: Store, generation: int) -> bool:
@@ -111,8 +128,8 @@ def failure_reported(store: Store, generation: int) -> bool:
 def recover(session: Session, error: BaseException, *, collective_started: float) -> Recovery:
     """Survivor side, with no planned migration left open. Returns this survivor's
     part, its place in the new full-size group included (``Recovery.change``); where
-    no standby can take the dead rank's place this acks ``failed`` and raises
-    ``RestartRequired``."""
+    no standby machine can take a lost machine's place this acks ``failed`` and
+    raises ``RestartRequired``; a process on a lost machine raises ``Replaced``."""
     gen = session.membership.generation
     prefix, migration_id = _prefix(gen), f"failover-g{gen}"
     try:
@@ -121,80 +138,165 @@ def recover(session: Session, error: BaseException, *, collective_started: float
         if decision["action"] != "replace":
             _give_up(session, migration_id, decision["reason"], error)
         plan = _plan(session, decision, prefix)
-        if "joiner" not in plan:
+        if "swaps" not in plan:
             _give_up(session, migration_id, plan["reason"], error)
         return _replace(session, plan, prefix, detect_s=detect_s)
-    except _Replaced:
+    except Replaced:
         raise
     except (MigrationError, RuntimeError) as exc:
         _give_up(session, migration_id, f"recovery of generation {gen} failed: {exc}", exc)
 
 
+def _wait_for_survivors(session: Session, prefix: str) -> int:
+    """How many members registered as alive, once there is no point waiting longer."""
+    store, world = session.store, session.world_size
+    cfg = session.config
+    now = time.monotonic()
+    deadline = now + cfg.detect_timeout.total_seconds()
+    settle = cfg.detect_settle.total_seconds()
+    last, changed = -1, now
+    while True:
+        count = int(store.add(f"{prefix}/alive", 0))
+        now = time.monotonic()
+        if count != last:
+            last, changed = count, now
+        if count >= world - 1 or now > deadline:
+            return count
+        if now - changed >= settle and not _partial(session, prefix):
+            return count
+        time.sleep(0.002)
+
+
+def _alive(session: Session, prefix: str) -> list[int]:
+    store = session.store
+    return [r for r in range(session.world_size) if store.check([f"{prefix}/alive/{r}"])]
+
+
+def _partial(session: Session, prefix: str) -> bool:
+    """Is a machine missing only some of its ranks (the rest may still register)?"""
+    alive = set(_alive(session, prefix))
+    return any(
+        0 < len(alive & set(ranks)) < len(ranks) for ranks in session.membership.machines().values()
+    )
+
+
 def _agree(session: Session, prefix: str) -> Decision:
     store, me, world = session.store, session.rank, session.world_size
-    gen = session.membership.generation
+    membership = session.membership
+    gen = membership.generation
     put(store, f"{prefix}/alive/{me}", str(session.state.step).encode())
     store.add(f"{prefix}/alive", 1)
-    deadline = time.monotonic() + session.config.detect_timeout.total_seconds()
-    while (count := int(store.add(f"{prefix}/alive", 0))) < world - 1:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.002)
+    _wait_for_survivors(session, prefix)
+    alive = _alive(session, prefix)
+    lost = sorted({membership.nodes[r] for r in range(world) if r not in alive})
+    keep = [r for r in alive if membership.nodes[r] not in lost]
+    steps = sorted({int(store.get(f"{prefix}/alive/{r}")) for r in keep})
     proposal: Decision
-    if count < world - 1:
-        lost = world - count
-        proposal = {"action": "rollback", "reason": f"{lost} ranks lost in generation {gen}"}
+    if not lost:
+        proposal = {"action": "rollback", "reason": "a collective failed, no rank was lost"}
+    elif not keep:
+        proposal = {"action": "rollback", "reason": f"no survivor outside the lost {lost}"}
+    elif len(steps) != 1:
+        proposal = {"action": "rollback", "reason": f"survivors failed at steps {steps}"}
     else:
-        alive = [r for r in range(world) if store.check([f"{prefix}/alive/{r}"])]
-        steps = sorted({int(store.get(f"{prefix}/alive/{r}")) for r in alive})
-        if len(steps) != 1:
-            proposal = {"action": "rollback", "reason": f"survivors failed at steps {steps}"}
-        elif len(alive) == world:
-            proposal = {"action": "rollback", "reason": "a collective failed, no rank was lost"}
-        else:
-            dead = next(r for r in range(world) if r not in alive)
-            proposal = {"action": "replace", "alive": alive, "dead": dead}
+        proposal = {"action": "replace", "alive": keep, "lost": lost}
     stored = store.compare_set(f"{prefix}/decision", "", json.dumps(proposal))
     decision: Decision = json.loads(bytes(stored))
     if decision["action"] == "replace" and me not in decision["alive"]:
-        raise _Replaced(f"rank {me} registered too late in generation {gen} and was replaced")
+        raise Replaced(f"rank {me} on {membership.nodes[me]} was counted lost in generation {gen}")
     return decision
 
 
 def _plan(session: Session, decision: Decision, prefix: str) -> dict[str, Any]:
-    donor = min(decision["alive"])
-    if session.rank == donor:
-        return _make_plan(session, dead=int(decision["dead"]), donor=donor, prefix=prefix)
+    reporter = min(decision["alive"])
+    if session.rank == reporter:
+        return _make_plan(session, decision, prefix=prefix)
     cfg = session.config
     wait_s = (cfg.standby_wait + cfg.detect_timeout).total_seconds()
     deadline = time.monotonic() + wait_s
     while not session.store.check([f"{prefix}/plan"]):
         if time.monotonic() > deadline:
-            return {"reason": f"no failover plan from rank {donor} within {wait_s:g} s"}
+            return {"reason": f"no failover plan from rank {reporter} within {wait_s:g} s"}
         time.sleep(0.005)
     plan: dict[str, Any] = json.loads(bytes(session.store.get(f"{prefix}/plan")))
     return plan
 
 
+def _match(
+    registry: list[wire.StandbyInfo], members: set[str], sizes: dict[str, int]
+) -> dict[str, str] | None:
+    """A ready standby machine of the right size for every lost machine, or None."""
+    swaps: dict[str, str] = {}
+    for lost, size in sizes.items():
+        taken = members | set(swaps.values())
+        ready = wire.ready_standbys(registry, taken, slots=size)
+        if not ready:
+            return None
+        swaps[lost] = ready[0]
+    return swaps
+
+
+def _make_plan(session: Session, decision: Decision, *, prefix: str) -> dict[str, Any]:
+    membership = session.membership
+    lost: list[str] = decision["lost"]
+    sizes = {node: len(membership.ranks_of(node)) for node in lost}
+    members = set(membership.nodes)
+    wait_s = session.config.standby_wait.total_seconds()
+    deadline = time.monotonic() + wait_s
+    while True:  # a standby still warming up may become ready in time
+        swaps = _match(standbys(session.store), members, sizes)
+        if swaps is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    plan: dict[str, Any]
+    if swaps is None:
+        want = ", ".join(f"{n} ({k} slots)" for n, k in sizes.items())
+        plan = {"reason": f"no ready standby machine within {wait_s:g} s to replace {want}"}
+        put(session.store, f"{prefix}/plan", json.dumps(plan).encode())
+        return plan
+    donors = sorted(decision["alive"])
+    dead = [r for node in lost for r in membership.ranks_of(node)]
+    ranks = [  # [rank, donor, joiner, local rank]: the survivors donate in turn
+        [rank, donors[i % len(donors)], swaps[membership.nodes[rank]], membership.local_rank(rank)]
+        for i, rank in enumerate(dead)
+    ]
+    plan = {
+        "id": f"failover-g{membership.generation}",
+        "swaps": swaps,
+        "ranks": ranks,
+        "reporter": min(donors),
+        "prefix": prefix,
+        "world_size": session.world_size,
+    }
+    data = json.dumps(plan).encode()
+    put(session.store, f"{prefix}/plan", data)
+    for _, _, joiner, local_rank in ranks:
+        put(session.store, plan_key(slot_name(joiner, local_rank)), data)
+    return plan
+
+
 def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: float) -> Recovery:
-    store, me = session.store, session.rank
-    cfg, dead, donor = session.config, int(plan["dead"]), int(plan["donor"])
-    after = session.membership.replaced(dead, plan["joiner"])
+    store, me, cfg = session.store, session.rank, session.config
+    after = session.membership.replaced(plan["swaps"])
     started = time.monotonic()
-    if me == donor:
-        pair = make_group(store, f"{prefix}/xfer", rank=0, size=2, timeout=cfg.group_timeout,
-                          backend="gloo", host=session.env.host)  # fmt: skip
+    for rank, donor, _, _ in plan["ranks"]:
+        if donor != me:
+            continue
+        pair = make_group(store, f"{prefix}/xfer/{rank}", rank=0, size=2,
+                          timeout=cfg.group_timeout, backend="gloo",
+                          host=session.env.host)  # fmt: skip
         channel = TransferChannel(pair, is_leaver=True)
         payload = {
-            "rank": dead,
+            "rank": rank,
             "nodes": list(after.nodes),
+            "local_ranks": [after.local_rank(r) for r in range(len(after.nodes))],
             "generation": after.generation,
             "migration_id": plan["id"],
             "manifest": session.state.manifest(),
         }
         channel.send(Kind.SNAPSHOT, session.state.step, payload, session.state.bulk_tensors())
         channel.flush()
-        channel.send(Kind.SWITCH, session.state.step, _small_for(session, dead))
+        channel.send(Kind.SWITCH, session.state.step, _small_for(session, rank))
         channel.flush()
     sent = time.monotonic()
     group = make_group(store, f"{prefix}/world", rank=me, size=session.world_size,
@@ -202,7 +304,7 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
                        host=session.env.host)  # fmt: skip
     built = time.monotonic()
     return Recovery(
-        id=plan["id"], dead=dead, joiner=plan["joiner"], is_donor=me == donor,
+        id=plan["id"], swaps=dict(plan["swaps"]), reports=me == plan["reporter"],
         detect_s=detect_s, transfer_s=sent - started, build_s=built - sent,
         change=Reconfiguration(group, after, rank=me),
     )  # fmt: skip
@@ -216,34 +318,6 @@ def _give_up(session: Session, migration_id: str, reason: str, error: BaseExcept
     session.commands.settle(migration_id, "failed", detail=str(failure))
     session.publish_status()
     raise failure from error
-
-
-def _make_plan(session: Session, *, dead: int, donor: int, prefix: str) -> dict[str, Any]:
-    members = set(session.membership.nodes)
-    wait_s = session.config.standby_wait.total_seconds()
-    deadline = time.monotonic() + wait_s
-    while True:  # a standby still warming up may become ready in time
-        ready = wire.ready_standbys(standbys(session.store), members)
-        if ready or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    plan: dict[str, Any]
-    if not ready:
-        plan = {"reason": f"no ready standby within {wait_s:g} s to replace rank {dead}"}
-        put(session.store, f"{prefix}/plan", json.dumps(plan).encode())
-        return plan
-    plan = {
-        "id": f"failover-g{session.membership.generation}",
-        "dead": dead,
-        "joiner": ready[0],
-        "donor": donor,
-        "prefix": prefix,
-        "world_size": session.world_size,
-    }
-    data = json.dumps(plan).encode()
-    put(session.store, f"{prefix}/plan", data)
-    put(session.store, plan_key(ready[0]), data)
-    return plan
 
 
 def _small_for(session: Session, rank: int) -> dict[str, Any]:
@@ -262,11 +336,14 @@ def _small_for(session: Session, rank: int) -> dict[str, Any]:
 
 
 def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
-    """Standby side: receive the donor's state; returns the dead rank's place."""
+    """Standby slot side: receive a donor's state; returns the dead rank's place."""
     cfg, env, store = session.config, session.env, session.store
     prefix = plan["prefix"]
-    pair = make_group(store, f"{prefix}/xfer", rank=1, size=2, timeout=cfg.group_timeout,
-                      backend="gloo", host=env.host)  # fmt: skip
+    mine = [r for r, _, node, lr in plan["ranks"] if node == env.node and lr == env.local_rank]
+    if not mine:
+        raise MigrationError(f"the failover plan {plan['id']} has no rank for {env.slot}")
+    pair = make_group(store, f"{prefix}/xfer/{mine[0]}", rank=1, size=2,
+                      timeout=cfg.group_timeout, backend="gloo", host=env.host)  # fmt: skip
     channel = TransferChannel(pair, is_leaver=False)
     _, meta = channel.recv()
     channel.recv_tensors(session.state.receive_tensors(meta["manifest"]))
@@ -276,6 +353,7 @@ def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
     rank = int(meta["rank"])
     group = make_group(store, f"{prefix}/world", rank=rank, size=int(plan["world_size"]),
                        timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip
-    membership = Membership(int(meta["generation"]), tuple(meta["nodes"]))
+    membership = Membership(int(meta["generation"]), tuple(meta["nodes"]),
+                            tuple(meta.get("local_ranks", ())))  # fmt: skip
     return Reconfiguration(group, membership, rank=rank,
                            median_step_s=float(small.get("median_step_s", 0.0)))  # fmt: skip

@@ -1,19 +1,35 @@
-"""``tmd launch``: run a training script locally as N workers and K standbys.
+"""``tmd launch``: run a training script locally as machines of workers, and standby machines.
 
-Like torchrun for one machine, plus standbys: the launcher hosts the job's TCPStore
+Like torchrun for one host, plus standbys. ``--nproc N --nproc-per-node K`` starts
+N / K simulated machines ``worker0``, ``worker1``, ... of K ranks each (ranks
+``m * K .. m * K + K - 1`` on machine ``m``, local ranks ``0 .. K - 1``), and
+``--standby S`` starts S standby machines ``standby0``, ... of K slots each. Every
+process gets ``TMD_NODE`` (its machine), ``RANK``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` as torchrun sets them. A machine's
+processes are named ``node/local_rank`` (just ``node`` when K is 1). The launcher
+hosts the job's TCPStore
 (so the store outlives any worker, the leaver included), starts every process with
 the environment described in ``tmd.runtime.env``, and waits. A process that exits
 0 after leaving the job is a success; the launcher does not tear the job down when
 one rank dies, because the runtime replaces it with a standby.
 
-Where the runtime cannot (``RestartRequired``: no standby ready, more than one rank
-lost), the survivors exit with ``EX_RESTART``. With ``--max-restarts N`` the
-launcher then stops every process of the job and starts the whole plan again,
-workers and standbys under their original names and ranks, on a fresh store, so
-the workers roll back to the latest checkpoint in their ``checkpoint_dir`` and
-carry on. It does the same when the job has not stopped and every member has
-exited, one of them with an error (a job whose every rank was killed). Each start
-sees ``TMD_RESTART_COUNT``.
+Where the runtime cannot (``RestartRequired``: no standby machine ready), the
+survivors exit with ``EX_RESTART``; so do all ranks after a ``Restart`` command
+(the daemon asks for one when no standby can replace a faulty machine whose
+processes still run), having written a checkpoint and recorded the machine to
+leave out in the job's status (``excluded``). With ``--max-restarts N`` the
+launcher then stops every process of the job and starts the plan again on a fresh
+store, under the original names and ranks, except that an excluded machine's
+ranks go to a standby machine when there is one (which is then no standby); the
+workers roll back to the latest checkpoint in their ``checkpoint_dir`` and carry
+on. It does the same when the job has not stopped and every member has exited,
+one of them with an error (a job whose every rank was killed). Each start sees
+``TMD_RESTART_COUNT``.
+
+On a real cluster, torchrun or Slurm starts the same processes (see
+``runtime/README.md``): set ``TMD_NODE`` to the host name (the default), and start
+a standby machine's K processes with ``TMD_ROLE=standby``, ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE``.
 """
 
 from __future__ import annotations
@@ -42,6 +58,17 @@ class ProcessSpec:
     role: str
     node: str
     rank: int
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def name(self) -> str:
+        """The process's name: its machine, with ``/local rank`` where it runs several."""
+        return process_name(self.node, self.local_rank, self.local_world_size)
+
+
+def process_name(node: str, local_rank: int | None, local_world_size: int) -> str:
+    return node if local_world_size == 1 else f"{node}/{local_rank or 0}"
 
 
 def process_env(
@@ -60,7 +87,9 @@ def process_env(
         TMD_JOB=job,
         TMD_NODE=spec.node,
         RANK=str(spec.rank),
-        LOCAL_RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.local_rank),
+        LOCAL_WORLD_SIZE=str(spec.local_world_size),
+        GROUP_RANK=str(spec.rank // spec.local_world_size),
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store_port),
@@ -74,9 +103,33 @@ def process_env(
     return env
 
 
-def plan(nproc: int, standby: int) -> list[ProcessSpec]:
-    workers = [ProcessSpec("worker", f"worker{r}", r) for r in range(nproc)]
-    return workers + [ProcessSpec("standby", f"standby{i}", 0) for i in range(standby)]
+def plan(nproc: int, standby: int, *, nproc_per_node: int = 1) -> list[ProcessSpec]:
+    """``nproc / nproc_per_node`` worker machines and ``standby`` standby machines."""
+    k = nproc_per_node
+    if k < 1 or nproc % k:
+        raise ValueError(f"--nproc {nproc} is not a multiple of --nproc-per-node {k}")
+    workers = [ProcessSpec("worker", f"worker{r // k}", r, r % k, k) for r in range(nproc)]
+    spares = [
+        ProcessSpec("standby", f"standby{i}", 0, local, k)
+        for i in range(standby)
+        for local in range(k)
+    ]
+    return workers + spares
+
+
+def without(specs: list[ProcessSpec], excluded: Collection[str]) -> list[ProcessSpec]:
+    """The plan with each excluded worker machine's ranks on a standby machine, while
+    standby machines last; an excluded machine with no standby left stays."""
+    specs = list(specs)
+    for node in excluded:
+        leaving = [s for s in specs if s.node == node and s.role == "worker"]
+        spare = next((s.node for s in specs if s.role == "standby"), None)
+        if not leaving or spare is None:
+            continue
+        specs = [s for s in specs if s.node not in (node, spare)] + [
+            ProcessSpec("worker", spare, s.rank, s.local_rank, s.local_world_size) for s in leaving
+        ]
+    return sorted(specs, key=lambda s: (s.role != "worker", s.rank, s.node, s.local_rank))
 
 
 def host_store(port: int = 0) -> TCPStore:
@@ -118,6 +171,7 @@ class LocalJob:
         *,
         nproc: int,
         standby: int,
+        nproc_per_node: int = 1,
         job: str = "job",
         broker: str | None = None,
         store_port: int = 0,
@@ -127,12 +181,13 @@ class LocalJob:
     ) -> None:
         self.command = list(command)
         self.nproc = nproc
+        self.nproc_per_node = nproc_per_node
         self.job = job
         self.broker = broker
         self.extra_env = dict(extra_env or {})
         self.max_restarts = max_restarts
         self.restart_grace = restart_grace
-        self.specs = plan(nproc, standby)
+        self.specs = plan(nproc, standby, nproc_per_node=nproc_per_node)
         self.restarts = 0
         self.attempts: list[Attempt] = []
         """Earlier starts of the job, oldest first."""
@@ -140,20 +195,21 @@ class LocalJob:
         self.store = host_store(store_port)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._served: set[str] = set()
-        """Nodes that held a rank in the current start: members, and leavers, which
-        still run their epilogue after leaving (at nice 19, slow on a busy host)."""
+        """Processes that held a rank in the current start: members, and leavers,
+        which still run their epilogue after leaving (at nice 19, slow on a busy
+        host)."""
         self._start()
 
     def _start(self) -> None:
         self.procs = {}
-        self._served = {spec.node for spec in self.specs if spec.role == "worker"}
+        self._served = {spec.name for spec in self.specs if spec.role == "worker"}
         for spec in self.specs:
             env = process_env(
                 spec, world_size=self.nproc, store_port=self.store.port, job=self.job,
                 broker=self.broker, restart_count=self.restarts,
             )  # fmt: skip
             env.update(self.extra_env)
-            self.procs[spec.node] = subprocess.Popen(self.command, env=env)
+            self.procs[spec.name] = subprocess.Popen(self.command, env=env)
 
     def wait(
         self, timeout: timedelta | None = None, *, grace: timedelta = timedelta(seconds=15)
@@ -167,6 +223,7 @@ class LocalJob:
         while (restart := self._watch(deadline, grace)) and self.restarts < self.max_restarts:
             self._end_attempt(self.restart_grace)
             self.restarts += 1
+            self._leave_out(self.attempts[-1].status)
             # A fresh store: no key of the failed start (groups, failover plans, the
             # checkpoint to restore) can mislead the next one.
             if self._port == 0:
@@ -177,6 +234,18 @@ class LocalJob:
             self._start()
         self._end_attempt(self.restart_grace if restart else timedelta(0))
         return self.attempts[-1].codes
+
+    def _leave_out(self, status: wire.JobStatus | None) -> None:
+        """The machines the job asked to go on without: their ranks go to standby
+        machines for the next start (``without``)."""
+        if status is None or not status.excluded:
+            return
+        before = {s.node for s in self.specs if s.role == "worker"}
+        self.specs = without(self.specs, status.excluded)
+        stays = sorted(before & set(status.excluded) & {s.node for s in self.specs})
+        if stays:
+            print(f"tmd launch: no standby machine left to start {', '.join(stays)} "
+                  "without; starting it again", file=sys.stderr)  # fmt: skip
 
     def _watch(self, deadline: float | None, grace: timedelta) -> bool:
         """Until every process ended (False) or the job needs a restart (True)."""
@@ -225,13 +294,18 @@ class LocalJob:
                 proc.kill()  # it never held a rank: nothing to lose
 
     def members(self) -> list[str]:
-        """The nodes holding a rank, as the job last reported them."""
+        """The processes holding a rank, as the job last reported them."""
         return self._members(self.status())
 
     def _members(self, status: wire.JobStatus | None) -> list[str]:
         if status is None:
-            return [spec.node for spec in self.specs if spec.role == "worker"]
-        return [member.node for member in status.members]
+            return [spec.name for spec in self.specs if spec.role == "worker"]
+        k = self.nproc_per_node
+        return [process_name(m.node, m.local_rank, k) for m in status.members]
+
+    def processes(self, node: str) -> list[str]:
+        """The names of machine ``node``'s processes (a process name stands for itself)."""
+        return [n for n in self.procs if n == node or n.startswith(f"{node}/")]
 
     def status(self) -> wire.JobStatus | None:
         if not self.store.check([STATUS_KEY]):
@@ -241,8 +315,13 @@ class LocalJob:
         )
         return status
 
-    def kill(self, node: str, sig: int = signal.SIGKILL) -> None:
-        self.procs[node].send_signal(sig)
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a process, or every process of a machine at once."""
+        names = self.processes(name)
+        if not names:
+            raise KeyError(name)
+        for each in names:
+            self.procs[each].send_signal(sig)
 
     def terminate(self) -> None:
         for proc in self.procs.values():
@@ -254,7 +333,13 @@ class LocalJob:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tmd launch", description=__doc__)
     parser.add_argument("--nproc", type=int, required=True, help="workers (the world size)")
-    parser.add_argument("--standby", type=int, default=0, help="standby processes")
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1,
+        help="ranks per simulated machine (its GPUs); --nproc must be a multiple",
+    )  # fmt: skip
+    parser.add_argument(
+        "--standby", type=int, default=0, help="standby machines, of --nproc-per-node slots each"
+    )
     parser.add_argument("--job", default="job", help="job name (MQTT topic segment)")
     parser.add_argument("--broker", default=None, help="MQTT broker host:port")
     parser.add_argument("--port", type=int, default=0, help="store port (0: any free one)")
@@ -268,10 +353,12 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     if ns.nproc < 1 or ns.standby < 0 or ns.max_restarts < 0:
         parser.error("--nproc must be >= 1, --standby and --max-restarts >= 0")
+    if ns.nproc_per_node < 1 or ns.nproc % ns.nproc_per_node:
+        parser.error("--nproc must be a multiple of --nproc-per-node (>= 1)")
     job = LocalJob(
         [sys.executable, ns.script, *ns.args],
-        nproc=ns.nproc, standby=ns.standby, job=ns.job, broker=ns.broker, store_port=ns.port,
-        max_restarts=ns.max_restarts,
+        nproc=ns.nproc, standby=ns.standby, nproc_per_node=ns.nproc_per_node, job=ns.job,
+        broker=ns.broker, store_port=ns.port, max_restarts=ns.max_restarts,
     )  # fmt: skip
     try:
         codes = job.wait()
@@ -288,5 +375,6 @@ def main(argv: list[str]) -> int:
     # succeeded if it stopped normally and every final member exited cleanly.
     status = job.status()
     if status is not None and status.state == "stopped":
-        return 1 if any(codes.get(m.node, 0) != 0 for m in status.members) else 0
+        final = job.members()
+        return 1 if any(codes.get(name, 0) != 0 for name in final) else 0
     return 1 if failed else 0

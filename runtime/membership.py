@@ -19,27 +19,51 @@ from tmd.runtime.timing import PendingSwitch
 
 @dataclass(frozen=True)
 class Membership:
-    """Who holds which rank in one generation of the job's group."""
+    """Who holds which rank in one generation of the job's group: the machine of each
+    rank and its local rank there. A machine is replaced as a whole: every one of its
+    ranks goes to the slot of the same local rank on the machine that replaces it."""
 
     generation: int
     nodes: tuple[str, ...]  # index: rank
+    local_ranks: tuple[int, ...] = ()
+    """Index: rank. Empty: one rank per machine, every local rank 0."""
 
-    def rank_of(self, node: str) -> int:
-        try:
-            return self.nodes.index(node)
-        except ValueError:
+    def __post_init__(self) -> None:
+        if self.local_ranks and len(self.local_ranks) != len(self.nodes):
+            raise ValueError("one local rank per rank")
+        slots = list(zip(self.nodes, self.local_ranks or [0] * len(self.nodes), strict=True))
+        if len(set(slots)) != len(slots):
+            twice = sorted({f"{n}/{lr}" for n, lr in slots if slots.count((n, lr)) > 1})
             raise MigrationError(
-                f"{node} is not a member of generation {self.generation}"
-            ) from None
+                f"generation {self.generation}: (node, local rank) held twice: {twice}; "
+                "ranks on one machine need distinct LOCAL_RANK"
+            )
+
+    def local_rank(self, rank: int) -> int:
+        return self.local_ranks[rank] if self.local_ranks else 0
+
+    def ranks_of(self, node: str) -> tuple[int, ...]:
+        """The ranks ``node`` holds, by local rank."""
+        ranks = sorted((r for r, n in enumerate(self.nodes) if n == node), key=self.local_rank)
+        if not ranks:
+            raise MigrationError(f"{node} is not a member of generation {self.generation}")
+        return tuple(ranks)
+
+    def machines(self) -> dict[str, tuple[int, ...]]:
+        """Every machine and its ranks, by local rank."""
+        return {node: self.ranks_of(node) for node in dict.fromkeys(self.nodes)}
 
     def members(self) -> list[wire.Member]:
-        return [wire.Member(rank, node) for rank, node in enumerate(self.nodes)]
+        return [
+            wire.Member(rank, node, self.local_rank(rank)) for rank, node in enumerate(self.nodes)
+        ]
 
-    def replaced(self, rank: int, node: str) -> Membership:
-        """The next generation: ``node`` in ``rank``'s place, everyone else where they were."""
-        nodes = list(self.nodes)
-        nodes[rank] = node
-        return Membership(self.generation + 1, tuple(nodes))
+    def replaced(self, swaps: dict[str, str]) -> Membership:
+        """The next generation: for each ``leaver: joiner`` of ``swaps`` every rank of the
+        leaving machine held by the joining one, local ranks kept; everyone else where
+        they were."""
+        nodes = tuple(swaps.get(node, node) for node in self.nodes)
+        return Membership(self.generation + 1, nodes, self.local_ranks)
 
 
 @dataclass(frozen=True)

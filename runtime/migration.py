@@ -5,9 +5,11 @@ training thread, and never blocks on the joiner: groups are built by background
 threads and transfers are asynchronous.
 
 Agreement without extra round-trips: every step's gradient all-reduce carries a
-two-integer vote ``[ready, abort]``. All members see the same sums at the same
-boundary, so they all switch (``ready == world``) or all abort (``abort > 0``) at
-the same step, whatever order the commands reached them in.
+three-integer vote ``[ready, abort, restart]``. All members see the same sums at the
+same boundary, so they all switch (``ready == world``) or all abort (``abort > 0``)
+at the same step, whatever order the commands reached them in; ``restart > 0``: a
+member holds a ``Restart`` command, and every member checkpoints and exits
+(``tmd.runtime.commands``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from tmd import wire
 from tmd.errors import MigrationError
+from tmd.runtime.env import slot_name
 from tmd.runtime.group import Group, GroupBuilder, StoreAddress
 from tmd.runtime.liveness import PeerWatch
 from tmd.runtime.membership import Membership
@@ -28,14 +31,21 @@ from tmd.runtime.transfer import Kind, TransferChannel
 
 VOTE_READY = 0
 VOTE_ABORT = 1
+VOTE_RESTART = 2
+VOTES = 3
+
+
+def no_votes() -> torch.Tensor:
+    return torch.zeros(VOTES, dtype=torch.int64)
 
 
 def world_prefix(migration_id: str) -> str:
     return f"tmd/mig/{migration_id}/world"
 
 
-def xfer_prefix(migration_id: str) -> str:
-    return f"tmd/mig/{migration_id}/xfer"
+def xfer_prefix(migration_id: str, local_rank: int) -> str:
+    """The channel between the leaver's and the joiner's processes of ``local_rank``."""
+    return f"tmd/mig/{migration_id}/xfer/{local_rank}"
 
 
 @dataclass
@@ -52,9 +62,12 @@ class Migration:
     """
 
     prepare: wire.Prepare
-    leaver_rank: int
+    leaver_ranks: tuple[int, ...]
+    """Every rank of the leaving machine, by local rank."""
     is_leaver: bool
     my_rank: int
+    local_rank: int
+    """This process's local rank: a leaver's pairs with the joiner's slot of the same."""
     world_size: int
     store: StoreAddress
     timeout: timedelta
@@ -81,7 +94,7 @@ class Migration:
         cls,
         prepare: wire.Prepare,
         *,
-        me: str,
+        rank: int,
         membership: Membership,
         store: StoreAddress,
         timeout: timedelta,
@@ -93,9 +106,10 @@ class Migration:
     ) -> Migration:
         mig = cls(
             prepare=prepare,
-            leaver_rank=membership.rank_of(prepare.leaver),
-            is_leaver=prepare.leaver == me,
-            my_rank=membership.rank_of(me),
+            leaver_ranks=membership.ranks_of(prepare.leaver),
+            is_leaver=membership.nodes[rank] == prepare.leaver,
+            my_rank=rank,
+            local_rank=membership.local_rank(rank),
             world_size=len(membership.nodes),
             store=store,
             timeout=timeout,
@@ -107,7 +121,8 @@ class Migration:
         if ahead:
             mig._start_build()
             if mig.is_leaver:
-                mig.watch = PeerWatch(store, prepare.joiner, stale_after=joiner_timeout,
+                joiner = slot_name(prepare.joiner, mig.local_rank)
+                mig.watch = PeerWatch(store, joiner, stale_after=joiner_timeout,
                                       interval=joiner_timeout / 10)  # fmt: skip
         return mig
 
@@ -117,7 +132,7 @@ class Migration:
             # Always gloo: a CPU pair needs no second GPU communicator on the leaver.
             self.builder = GroupBuilder(
                 self.store,
-                xfer_prefix(self.id),
+                xfer_prefix(self.id, self.local_rank),
                 rank=0,
                 size=2,
                 timeout=self.timeout,
@@ -175,8 +190,9 @@ class Migration:
         stayers; the bulk state follows later (``_send_snapshot``)."""
         assert self.builder is not None
         self.channel = TransferChannel(self.builder.result(), is_leaver=True)
-        after = membership.replaced(self.leaver_rank, self.prepare.joiner)
-        hello = {"rank": self.leaver_rank, "nodes": list(after.nodes),
+        after = self.after(membership)
+        hello = {"rank": self.my_rank, "nodes": list(after.nodes),
+                 "local_ranks": [after.local_rank(r) for r in range(len(after.nodes))],
                  "generation": after.generation, "migration_id": self.id}  # fmt: skip
         self.channel.send(Kind.HELLO, 0, hello)
 
@@ -186,6 +202,15 @@ class Migration:
         self.channel.flush()  # the hello
         self.channel.send(Kind.SNAPSHOT, state.step, state.manifest(), state.bulk_tensors())
         self.snapshot_step = state.step
+
+    @property
+    def stayers(self) -> int:
+        """Members that stay: the world less the leaving machine's ranks."""
+        return self.world_size - len(self.leaver_ranks)
+
+    def after(self, membership: Membership) -> Membership:
+        """The members once it switched: the joiner's slots in the leaver's ranks."""
+        return membership.replaced({self.prepare.leaver: self.prepare.joiner})
 
     def prepared(self) -> bool:
         """Phase 1 is done: the next group (stayer) or the channel (leaver) is up."""
@@ -202,13 +227,16 @@ class Migration:
         return self.prepared() and (not self.ahead or not self.is_leaver or self.snapshot_flushed)
 
     def votes(self, step_after: int) -> torch.Tensor:
-        """This member's ``[ready, abort]`` for the step that ends at ``step_after``."""
+        """This member's ``[ready, abort, 0]`` for the step that ends at ``step_after``."""
         ready = (
             self.ready()
             and self.switch is not None
             and (self.switch.at_step is None or step_after >= self.switch.at_step)
         )
-        return torch.tensor([int(ready), int(self.abort_reason is not None)], dtype=torch.int64)
+        votes = no_votes()
+        votes[VOTE_READY] = int(ready)
+        votes[VOTE_ABORT] = int(self.abort_reason is not None)
+        return votes
 
     # -- the leaver's lock-step forwarding ---------------------------------------------
 

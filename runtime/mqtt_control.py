@@ -48,9 +48,7 @@ class MqttControl:
         self.job = job
         self.rejected = 0
         self.published = 0
-        self._inbox: queue.SimpleQueue[wire.Control] = (
-            queue.SimpleQueue()
-        )
+        self._inbox: queue.SimpleQueue[wire.Control] = queue.SimpleQueue()
         self._stopped = False
         self._last: paho.MQTTMessageInfo | None = None
         self._connected = threading.Event()
@@ -69,7 +67,10 @@ class MqttControl:
         self._standby_changes_read = 0
         self._worker = _Poller(f"tmd-mqtt-{job}", timedelta(seconds=1), self._check_standbys)
         host, port = parse_broker(broker)
-        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"tmd-runtime-{job}-{node}")
+        client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"tmd-runtime-{job}-{node}".replace("/", "-")[:128],
+        )
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message

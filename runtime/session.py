@@ -35,18 +35,20 @@ import contextlib
 import copy
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
 from tmd import wire
+from tmd.errors import ConfigError, MigrationError, RestartRequired
 from tmd.runtime import checkpoint, standby
 from tmd.runtime.commands import AckKind, Commands
 from tmd.runtime.control import ControlChannel, StoreControl
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.failover import Recovery, failure_reported, recover
+from tmd.runtime.failover import Recovery, Replaced, failure_reported, recover
 from tmd.runtime.group import Group, connect_store, make_group
 from tmd.runtime.membership import Membership, Reconfiguration
+from tmd.runtime.migration import VOTE_RESTART, no_votes
 from tmd.runtime.reducer import GradientReducer
 from tmd.runtime.session_config import SessionConfig
 from tmd.runtime.state import Stateful, TrainState
@@ -91,6 +93,8 @@ class Session:
         self._pending_switch: PendingSwitch | None = None
         self._failovers: list[Recovery] = []  # in the current step
         self.boundary_stateful: dict[str, Any] = {}
+        self.excluded: list[str] = []
+        """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
         self.store = connect_store(self.env.store, timeout=self.config.store_timeout)
         self.telemetry = Telemetry(None, job=self.env.job, node=self.env.node, rank=self.rank)
@@ -152,7 +156,7 @@ class Session:
             # paho is loaded only by a job that talks to a broker.
             from tmd.runtime.mqtt_control import MqttControl
 
-            mqtt = MqttControl(self.env.broker, job=self.env.job, node=self.env.node,
+            mqtt = MqttControl(self.env.broker, job=self.env.job, node=self.env.slot,
                                store=self.env.store)  # fmt: skip
             self._control, sink = mqtt, mqtt.publish
         elif self._control is None:
@@ -175,15 +179,22 @@ class Session:
         return self
 
     def _join_initial_group(self) -> None:
-        self.store.set(f"tmd/gen0/node/{self.rank}", self.env.node)
+        self.store.set(f"tmd/gen0/node/{self.rank}", f"{self.env.local_rank} {self.env.node}")
         group = make_group(
             self.store, "tmd/gen0/world", rank=self.rank, size=self.world_size,
             timeout=self.config.group_timeout, backend=self.env.backend, host=self.env.host,
         )  # fmt: skip
-        nodes = tuple(
-            bytes(self.store.get(f"tmd/gen0/node/{r}")).decode() for r in range(self.world_size)
-        )
-        self.reconfigure(Reconfiguration(group, Membership(0, nodes), rank=self.rank))
+        slots = [
+            bytes(self.store.get(f"tmd/gen0/node/{r}")).decode().split(" ", 1)
+            for r in range(self.world_size)
+        ]
+        nodes = tuple(node for _, node in slots)
+        local_ranks = tuple(int(local) for local, _ in slots)
+        try:
+            membership = Membership(0, nodes, local_ranks)
+        except MigrationError as exc:  # two processes claim one slot: TMD_NODE/LOCAL_RANK
+            raise ConfigError("LOCAL_RANK", str(exc)) from None
+        self.reconfigure(Reconfiguration(group, membership, rank=self.rank))
         if self.config.checkpoint_dir is not None:
             self.restored_step = checkpoint.restore(self)
         self.capture_boundary()
@@ -191,7 +202,8 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         if self.role == "worker" and not self.left and self.rank == 0:
-            self.publish_status("stopped" if exc[0] is None else "running")
+            state = "stopped" if exc[0] is None else "running"
+            self.publish_status("restarting" if self.excluded else state)
         self.telemetry.close()
         self.control.close()
 
@@ -239,7 +251,8 @@ class Session:
             mig.before_reduce()
             votes = mig.votes(self.state.step + 1)
         else:
-            votes = torch.zeros(2, dtype=torch.int64)
+            votes = no_votes()
+        votes[VOTE_RESTART] = int(self.commands.restart_asked)
         attempt = compute_end
         while True:
             assert self.group is not None
@@ -256,12 +269,19 @@ class Session:
                 # (and again, should a member of the new group die too). Where that
                 # cannot be done, recover raises RestartRequired.
                 self.commands.drop()
-                recovery = recover(self, exc, collective_started=attempt)
+                try:
+                    recovery = recover(self, exc, collective_started=attempt)
+                except Replaced:
+                    # This process's machine was counted lost and replaced: it is out
+                    # of the job, like a leaver after a switch.
+                    self.commands.left = True
+                    return
                 self.reconfigure(recovery.change)
                 self.publish_status()
                 self._failovers.append(recovery)
                 attempt = time.monotonic()
-                votes = torch.zeros(2, dtype=torch.int64)
+                votes = no_votes()
+                votes[VOTE_RESTART] = int(self.commands.restart_asked)
                 mig = None
         reduced = time.monotonic()
         if mig is not None:
@@ -323,28 +343,53 @@ class Session:
         failovers, self._failovers = self._failovers, []
         for rec in failovers:
             self.last_downtime = rec.downtime(step_start, step_end, median)
-            if rec.is_donor:
-                detail = f"rank {rec.dead} replaced by {rec.joiner}"
-                self.commands.settle(rec.id, "switched", downtime=self.last_downtime, detail=detail)
+            if rec.reports:
+                self.commands.settle(rec.id, "switched", downtime=self.last_downtime,
+                                     detail=rec.describe())  # fmt: skip
 
     # -- the boundary ------------------------------------------------------------------
 
     def _boundary(self, votes: torch.Tensor) -> None:
         every = self.config.checkpoint_every
-        if every and self.state.step % every == 0:
+        saved = bool(every and self.state.step % every == 0)
+        if saved:
             # Before a switch: the members that wrote the state are the ones in it.
-            started = time.monotonic()
-            if checkpoint.save(self) is None and self.rank == 0:
-                self.checkpoints_dropped += 1
-            self.last_checkpoint_s = time.monotonic() - started
-            # Step timings describe training; the write shows as the others' wait.
-            self.timing.mark_step_end(time.monotonic())
+            self._checkpoint()
+        if int(votes[VOTE_RESTART]) > 0:
+            self._restart(saved)
         self.commands.boundary(votes)
         if self.rank == 0 and (
             self.state.step % self.config.status_every == 0 or self.control.standbys_changed()
         ):
             self.publish_status()
         self.capture_boundary()
+
+    def _checkpoint(self) -> None:
+        started = time.monotonic()
+        if checkpoint.save(self) is None and self.rank == 0:
+            self.checkpoints_dropped += 1
+        self.last_checkpoint_s = time.monotonic() - started
+        # Step timings describe training; the write shows as the others' wait.
+        self.timing.mark_step_end(time.monotonic())
+
+    def _restart(self, saved: bool) -> NoReturn:
+        """Every member, at the boundary where a member's ``Restart`` was counted: a
+        checkpoint at this step (unless one was just written), the machine to leave out
+        recorded in the job's status, and out of the loop with ``RestartRequired``, for
+        the launcher to start the job again without that machine."""
+        order = self.commands.end_for_restart()
+        if not saved:
+            self._checkpoint()
+        step = checkpoint.agreed_latest(self)
+        self.excluded = [order.node]
+        if self.rank == 0:
+            self.publish_status("restarting")
+            detail = f"checkpoint at step {step}; the job restarts without {order.node}"
+            self.commands.settle(order.migration_id, "restarting", detail=detail)
+        why = f"asked to restart without {order.node}" + (
+            f": {order.reason}" if order.reason else ""
+        )
+        raise RestartRequired(why, checkpoint_step=step)
 
     def capture_boundary(self) -> None:
         """Record where every stateful object stood when the next step began: what a
@@ -367,6 +412,7 @@ class Session:
             wire.Ack(
                 ts=time.time(), job=self.env.job, migration_id=migration_id, kind=kind,
                 node=self.env.node, rank=self.rank if self.role == "worker" else None,
+                local_rank=self.env.local_rank,
                 generation=self.membership.generation, at_step=self.state.step,
                 downtime=downtime,
                 detail=detail[:1000],  # the wire bounds free text; an error can be long
@@ -380,7 +426,7 @@ class Session:
             wire.JobStatus(
                 ts=time.time(), job=self.env.job, generation=self.membership.generation,
                 world_size=self.world_size, members=self.membership.members(),
-                state=state, step=self.state.step,  # type: ignore[arg-type]
+                state=state, step=self.state.step, excluded=self.excluded,  # type: ignore[arg-type]
             )
         )  # fmt: skip
 

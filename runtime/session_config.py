@@ -39,6 +39,9 @@ class SessionConfig:
     detect_timeout: timedelta = timedelta(seconds=10)
     """After a collective fails, how long survivors wait for each other to agree on
     which rank died."""
+    detect_settle: timedelta = timedelta(milliseconds=250)
+    """Survivors stop waiting for each other once the missing ranks make up whole
+    machines and nobody registered for this long (a machine's ranks die together)."""
     status_every: int = 100
     """Steps between two status publications by rank 0 (plus one at every change)."""
     standby_wait: timedelta = timedelta(seconds=5)

@@ -3,7 +3,9 @@
 The session runs the standby's first ``shadow_steps`` iterations of the user's own
 loop as sandboxed shadow iterations (``Session._shadow_step``): real data, forward,
 backward and optimizer, the all-reduce answered locally. Then ``stand_by`` reports
-ready with the warm-up time and waits for a ``Prepare`` naming this node.
+ready with the warm-up time and waits for a ``Prepare`` naming this machine. A
+standby machine runs one such process per slot (``LOCAL_RANK``); each joins as the
+leaving machine's rank of its own local rank, over its own channel to that rank.
 
 Joining (the joiner's half of the protocol):
 
@@ -45,9 +47,10 @@ if TYPE_CHECKING:
 
 def announce(session: Session, state: Literal["warming", "ready", "joining", "failed"]) -> None:
     warmup_s = session.warmup_s if state == "ready" else None
-    register_standby(
-        session.store, wire.StandbyInfo(node=session.env.node, state=state, warmup_s=warmup_s)
-    )
+    env = session.env
+    info = wire.StandbyInfo(node=env.node, state=state, warmup_s=warmup_s,
+                            slots=env.local_world_size)  # fmt: skip
+    register_standby(session.store, info, local_rank=env.local_rank)
 
 
 def stand_by(session: Session) -> Reconfiguration | None:
@@ -56,7 +59,7 @@ def stand_by(session: Session) -> Reconfiguration | None:
     announce(session, "ready")
     # The standby has nothing else to do: poll often, a failover waits on it.
     poll = min(session.config.control_poll.total_seconds(), 0.01)
-    plan = plan_key(session.env.node)
+    plan = plan_key(session.env.slot)
     while True:
         if session.control.stopped():
             return None
@@ -95,7 +98,7 @@ def join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
     """Run one migration as its joiner: this process's place in the new group, or
     None where the migration was aborted."""
     beat = session.config.joiner_timeout / 10
-    with Heartbeat(session.env.store, session.env.node, interval=beat):  # the leaver watches
+    with Heartbeat(session.env.store, session.env.slot, interval=beat):  # the leaver watches
         return _join(session, prepare)
 
 
@@ -146,8 +149,8 @@ def _prepare(session: Session, mid: str) -> _Prepared | None:
     """Phase 1: the channel to the leaver, which says the rank and members to join
     as, and the next group built with the stayers. None: aborted."""
     cfg, env = session.config, session.env
-    pair = GroupBuilder(env.store, xfer_prefix(mid), rank=1, size=2, timeout=cfg.group_timeout,
-                        backend="gloo", host=env.host)  # fmt: skip
+    pair = GroupBuilder(env.store, xfer_prefix(mid, env.local_rank), rank=1, size=2,
+                        timeout=cfg.group_timeout, backend="gloo", host=env.host)  # fmt: skip
     if not _wait_built(session, pair, mid):
         return None
     channel = TransferChannel(pair.result(), is_leaver=False)
@@ -156,7 +159,8 @@ def _prepare(session: Session, mid: str) -> _Prepared | None:
         return None
     if header.kind is not Kind.HELLO:
         raise MigrationError(f"expected hello, got {header.kind.name}")
-    membership = Membership(int(hello["generation"]), tuple(hello["nodes"]))
+    membership = Membership(int(hello["generation"]), tuple(hello["nodes"]),
+                            tuple(hello.get("local_ranks", ())))  # fmt: skip
     rank = int(hello["rank"])
     world = GroupBuilder(env.store, world_prefix(mid), rank=rank, size=len(membership.nodes),
                          timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip

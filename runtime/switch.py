@@ -3,11 +3,12 @@
 Every member reached this boundary with the same vote sums, so all of them are
 here. The switch is two collectives and one small message:
 
-1. the leaver sends the small state (step, RNG, data position, scheduler, ...) to
+1. each leaver process sends the small state (step, RNG, data position, scheduler, ...) to
    the joiner, which already holds bit-identical bulk state (lock-step);
 2. stayers and joiner run one all-reduce on the prepared group: everyone is there;
 3. every old member runs one all-reduce on the old group: did step 2 succeed
-   everywhere? Only then does the leaver leave and the stayers swap groups.
+   everywhere? Only then do the leaving machine's processes leave and the stayers
+   swap groups.
 
 If step 2 fails anywhere (the joiner died), step 3 says so to all, the new group
 is dropped and training continues on the old group with nothing lost: the leaver
@@ -64,7 +65,7 @@ def leave(session: Session, mig: Migration) -> bool:
         mig.send_switch(small_state(session), session.state.step)
     except MigrationError as exc:
         mig.abort_reason = str(exc)
-    if _sum(session.group, 0) != session.world_size - 1:
+    if _sum(session.group, 0) != mig.stayers:
         return False
     _step_aside()
     mig.close(tell_joiner=False)
@@ -88,7 +89,7 @@ def commit(session: Session, mig: Migration) -> Reconfiguration | None:
     except (MigrationError, RuntimeError) as exc:
         ok = 0
         mig.abort_reason = f"commit on the new group failed: {exc}"
-    if _sum(old, ok) != world - 1 or new is None:
+    if _sum(old, ok) != mig.stayers or new is None:
         mig.abort_reason = mig.abort_reason or "another member failed to commit"
         return None
     resumed = time.monotonic()
@@ -96,5 +97,4 @@ def commit(session: Session, mig: Migration) -> Reconfiguration | None:
         mig.id, last_step_end=last_step_end, resumed=resumed,
         stop_s=started - last_step_end, switch_s=resumed - started,
     )  # fmt: skip
-    after = session.membership.replaced(mig.leaver_rank, mig.prepare.joiner)
-    return Reconfiguration(new, after, rank=session.rank, switch=timing)
+    return Reconfiguration(new, mig.after(session.membership), rank=session.rank, switch=timing)

@@ -117,8 +117,7 @@ def train(argv: list[str]) -> None:
             s.step()
             if args.sleep:
                 time.sleep(args.sleep)
-        node = env.node
-        (out / f"losses-{node}.json").write_text(json.dumps(losses))
+        (out / f"losses-{env.node}-{env.local_rank}.json").write_text(json.dumps(losses))
         if s.role == "worker" and not s.left:
             torch.save(
                 {"params": model.state_dict(), "step": s.state.step, "rank": s.rank},
@@ -134,6 +133,7 @@ def run_job(
     *,
     nproc: int = 3,
     standby: int = 0,
+    nproc_per_node: int = 1,
     steps: int = 60,
     extra: list[str] | None = None,
     job: str = "job",
@@ -145,8 +145,9 @@ def run_job(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--out", str(out), *(extra or [])]
     return LocalJob(
-        cmd, nproc=nproc, standby=standby, job=job, broker=broker, max_restarts=max_restarts
-    )
+        cmd, nproc=nproc, standby=standby, nproc_per_node=nproc_per_node, job=job, broker=broker,
+        max_restarts=max_restarts,
+    )  # fmt: skip
 
 
 def final_params(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -158,7 +159,10 @@ def losses(out: Path) -> dict[tuple[int, int], float]:
     merged: dict[tuple[int, int], float] = {}
     for path in out.glob("losses-*.json"):
         for rank, step, loss in json.loads(path.read_text()):
-            assert (rank, step) not in merged, f"two processes computed rank {rank} step {step}"
+            # A step is computed twice only where a live process on a lost machine
+            # computed it before it left and its replacement ran it again, the same.
+            again = merged.get((rank, step), loss)
+            assert again == loss, f"two processes computed rank {rank} step {step} differently"
             merged[(rank, step)] = loss
     return merged
 

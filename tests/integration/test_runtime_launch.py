@@ -27,7 +27,7 @@ def test_launch_runs_the_job_and_idle_standbys_exit_when_it_stops(tmp_path: Path
     assert rc == 0
     assert torch_equal_all(final_params(tmp_path, 0), final_params(tmp_path, 1))
     assert {step for _, step in losses(tmp_path)} == set(range(12))
-    assert (tmp_path / "losses-standby0.json").read_text() == "[]"  # shadow losses not kept
+    assert (tmp_path / "losses-standby0-0.json").read_text() == "[]"  # shadow losses not kept
 
 
 def test_launch_restarts_a_job_that_lost_a_rank_without_a_standby(

@@ -76,6 +76,15 @@ def test_status_carries_the_standby_registry(store) -> None:  # type: ignore[no-
     register_standby(store, wire.StandbyInfo(node="s0", state="warming"))
     register_standby(store, wire.StandbyInfo(node="s0", state="ready", warmup_s=2.5))
     assert standbys(store) == [wire.StandbyInfo(node="s0", state="ready", warmup_s=2.5)]
+    # A standby machine of two slots is ready once both are, with its slower warm-up.
+    two = wire.StandbyInfo(node="m", state="ready", warmup_s=1.0, slots=2)
+    register_standby(store, two, local_rank=0)
+    assert standbys(store)[1] == wire.StandbyInfo(node="m", state="warming", slots=2)
+    register_standby(store, wire.StandbyInfo(node="m", state="ready", warmup_s=3.0, slots=2),
+                     local_rank=1)  # fmt: skip
+    assert standbys(store)[1] == wire.StandbyInfo(node="m", state="ready", warmup_s=3.0, slots=2)
+    register_standby(store, wire.StandbyInfo(node="m", state="joining", slots=2), local_rank=1)
+    assert standbys(store)[1].state == "joining"
     channel = StoreControl(address, job="j", poll_interval=timedelta(milliseconds=5))
     try:
         status = wire.JobStatus(ts=1.0, job="j", generation=0, world_size=1,
@@ -86,7 +95,7 @@ def test_status_carries_the_standby_registry(store) -> None:  # type: ignore[no-
             time.sleep(0.01)
         assert channel.stopped()
         published = JobController(store, job="j").status()
-        assert published is not None and [s.node for s in published.standbys] == ["s0"]
+        assert published is not None and [s.node for s in published.standbys] == ["s0", "m"]
     finally:
         channel.close()
 
@@ -97,8 +106,22 @@ def test_environment_contract() -> None:
     )
     assert (env.role, env.node, env.world_size, env.store.port) == ("standby", "sb0", 4, 29500)
     assert env.host == ""  # not loopback: gloo resolves the hostname
-    with pytest.raises(ConfigError):
-        RuntimeEnv.from_environ({"TMD_ROLE": "standby", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
+    # A machine's name defaults to the host name, the agent's default too.
+    env = RuntimeEnv.from_environ({"TMD_ROLE": "standby", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
+    assert env.node == wire.default_node_name()
+    env = RuntimeEnv.from_environ(
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+         "TMD_STORE": "h:1"}
+    )  # fmt: skip
+    assert (env.node, env.local_rank, env.local_world_size, env.slot) == (
+        wire.default_node_name(),
+        1,
+        2,
+        f"{wire.default_node_name()}/1",
+    )
+    for bad in ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, {"LOCAL_RANK": "x"}):  # fmt: skip
+        with pytest.raises(ConfigError, match="LOCAL_RANK"):
+            RuntimeEnv.from_environ({"WORLD_SIZE": "4", "TMD_STORE": "h:1", **bad})
     with pytest.raises(ConfigError):
         RuntimeEnv.from_environ({"RANK": "4", "WORLD_SIZE": "4", "TMD_STORE": "h:1"})
 

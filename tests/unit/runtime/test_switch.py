@@ -72,7 +72,7 @@ class _LeaverMigration:
 
     fail: str | None = None
     prepare: wire.Prepare = PREPARE
-    leaver_rank: int = 1
+    stayers: int = 2
     abort_reason: str | None = None
     prepared_with: tuple[object, Membership] | None = None
     switch_sent: list[tuple[dict[str, object], int]] = field(default_factory=list)
@@ -156,7 +156,7 @@ def _switch(
     then all at the switch boundary at once; ``joiner`` says what the joiner does."""
     old = _concurrently(*(lambda r=r: _group(address, "old", r, OLD_TIMEOUT) for r in range(3)))
     migrations = {
-        r: Migration.start(PREPARE, me=NODES[r], membership=OLD, store=address,
+        r: Migration.start(PREPARE, rank=r, membership=OLD, store=address,
                            timeout=timeout, backend="gloo", host="127.0.0.1")
         for r in STAYERS
     }  # fmt: skip

@@ -52,7 +52,7 @@ def test_a_switch_costs_its_first_step_and_the_gap_before_it_minus_a_median_step
 
 def test_a_failover_costs_the_failed_step_minus_a_median_one() -> None:
     rec = Recovery(
-        id="failover-g0", dead=1, joiner="spare", is_donor=True, detect_s=0.4,
+        id="failover-g0", swaps={"n1": "spare"}, reports=True, detect_s=0.4,
         transfer_s=0.2, build_s=0.3,
         change=Reconfiguration(object(), Membership(1, ("n0", "spare")), rank=0),
     )  # fmt: skip

@@ -1,0 +1,147 @@
+"""Machines of several ranks, moved as one: live migration, abort and failover of a
+machine of two ranks in a real gloo job, driven by ``JobController``.
+
+Each run ends with the parameters of every rank equal to an undisturbed run's and
+the same loss at every (rank, step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runtime_conftest_helpers import assert_same_as, run_job
+from tmd.runtime import EX_RESTART, JobController
+
+pytestmark = pytest.mark.slow
+
+NPROC = 4
+PER_NODE = 2
+STEPS = 60
+ACK_TIMEOUT = timedelta(seconds=60)
+JOB_TIMEOUT = timedelta(seconds=150)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    job = run_job(out, nproc=NPROC, nproc_per_node=PER_NODE, steps=STEPS, extra=["--no-noise"])
+    assert set(job.wait(JOB_TIMEOUT).values()) == {0}
+    return out
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[object]]:
+    started: list[object] = []
+    yield started
+    for job in started:
+        job.terminate()  # type: ignore[attr-defined]
+
+
+def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(
+    tmp_path: Path, reference: Path, jobs: list[object]
+) -> None:
+    job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
+                  extra=["--no-noise"])  # fmt: skip
+    jobs.append(job)
+    ctl = JobController(job.store, job="job")
+    everyone = NPROC + PER_NODE  # every process of the job and of the standby machine
+    # Prepared, then aborted: both ranks of worker1 stay, both slots stand by again.
+    ctl.prepare("m0", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m0", "prepared", count=everyone, timeout=ACK_TIMEOUT)
+    ctl.abort("m0", reason="test")
+    aborted = ctl.wait_acks("m0", "aborted", count=everyone, timeout=ACK_TIMEOUT)
+    assert {(a.node, a.local_rank) for a in aborted} >= {("worker1", 0), ("worker1", 1)}
+    # Then for real: the machine's two ranks go to the standby machine's two slots.
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m1", "prepared", count=everyone, timeout=ACK_TIMEOUT)
+    ctl.switch("m1")
+    switched = ctl.wait_acks("m1", "switched", count=everyone, timeout=ACK_TIMEOUT)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert set(codes.values()) == {0}, codes
+    joiners = {(a.local_rank, a.rank) for a in switched if a.node == "standby0" and a.downtime}
+    assert joiners == {(0, 2), (1, 3)}  # one-to-one by local rank
+    status = ctl.status()
+    assert status is not None and status.state == "stopped" and status.generation == 1
+    assert [(m.node, m.local_rank) for m in status.members] == [
+        ("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)
+    ]  # fmt: skip
+    assert_same_as(tmp_path, reference, NPROC)
+
+
+@pytest.mark.parametrize(
+    ("killed", "nproc", "per_node", "standby", "replaced"),
+    [
+        # Both processes of worker1 die at once: the standby machine takes both ranks.
+        ([2, 3], NPROC, PER_NODE, 1, {"worker1": "standby0"}),
+        # One process of worker1 dies: the machine is not trusted, and goes as a whole
+        # (its live rank leaves the job).
+        ([3], NPROC, PER_NODE, 1, {"worker1": "standby0"}),
+        # Two machines at once, with two standby machines ready: both replaced, in one
+        # generation, from the one survivor.
+        ([1, 2], 3, 1, 2, {"worker1": "standby0", "worker2": "standby1"}),
+    ],
+    ids=["whole-machine", "part-of-a-machine", "two-machines"],
+)
+def test_a_lost_machine_is_replaced_from_replicas_without_rollback(
+    tmp_path: Path, jobs: list[object], killed: list[int], nproc: int, per_node: int,
+    standby: int, replaced: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+) -> None:  # fmt: skip
+    ref = tmp_path_factory.mktemp("ref")
+    kill = [a for r in killed for a in ("--kill-rank", str(r))]
+    extra = ["--no-noise", "--kill-step", "20", "--detect-timeout", "5"]
+    job = run_job(tmp_path, nproc=nproc, nproc_per_node=per_node, standby=standby, steps=STEPS,
+                  extra=[*extra, *kill])  # fmt: skip
+    jobs.append(job)
+    undisturbed = run_job(ref, nproc=nproc, nproc_per_node=per_node, steps=STEPS,
+                          extra=["--no-noise"])  # fmt: skip
+    assert set(undisturbed.wait(JOB_TIMEOUT).values()) == {0}
+    job.wait(JOB_TIMEOUT)
+
+    status = JobController(job.store, job="job").status()
+    assert status is not None and status.state == "stopped", status
+    assert status.generation == 1  # one failover, no rollback
+    for lost, new in replaced.items():
+        assert lost not in {m.node for m in status.members}
+        assert new in {m.node for m in status.members}
+    acks = [a for a in job.attempts[-1].acks if a.migration_id == "failover-g0"]
+    assert [a.kind for a in acks] == ["switched"], acks
+    assert len(job.attempts) == 1
+    assert_same_as(tmp_path, ref, nproc, losses_from=20)
+
+
+def test_a_restart_checkpoints_and_starts_again_without_the_machine(
+    tmp_path: Path, reference: Path, jobs: list[object]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
+                  extra=["--no-noise", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "7"],
+                  max_restarts=1)  # fmt: skip
+    jobs.append(job)
+    ctl = JobController(job.store, job="job")
+    while not (ckpt / "step-000000007").exists():  # running, with a checkpoint behind it
+        time.sleep(0.02)
+    ctl.restart("r1", node="worker1", reason="ECC errors pending")
+    job.wait(JOB_TIMEOUT)
+
+    first = job.attempts[0]
+    assert first.status is not None and first.status.state == "restarting"
+    assert first.status.excluded == ["worker1"]
+    answers = [a for a in first.acks if a.migration_id == "r1"]
+    assert [(a.kind, a.rank) for a in answers] == [("restarting", 0)], answers
+    assert "checkpoint at step" in answers[0].detail
+    assert set(first.codes.values()) <= {EX_RESTART, -9}, first.codes  # idle standby killed
+    # The second start runs worker1's ranks on the standby machine, from the checkpoint
+    # written at the restart, and ends where an undisturbed run ends.
+    last = job.attempts[-1]
+    assert last.status is not None and last.status.state == "stopped"
+    assert [(m.node, m.local_rank) for m in last.status.members] == [
+        ("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)
+    ]  # fmt: skip
+    assert set(last.codes.values()) == {0}, last.codes
+    assert_same_as(tmp_path, reference, NPROC, losses_from=STEPS)
