@@ -1,10 +1,16 @@
 """``failover``: a machine of a job failed — move its work to a ready standby at once.
 
-Triggers: ``GpuFault``, ``NodeLost`` and ``RankStalled`` (configurable). With no ready
-standby the job can only be restarted from its last checkpoint: that is decided
-(``CheckpointRestart``) and journaled as such, not silently dropped. One decision per
-(job, node) until the actuator reports that node's migration finished, or that it
-did not run it (a ``Hold`` naming this policy): then the next finding decides again.
+Triggers: ``GpuFault``, ``NodeLost`` and ``RankStalled`` (configurable). The machine
+is the unit: a finding names a machine (and the GPU at fault, which the reason names),
+and the decision replaces the whole machine, every rank of the job on it, with a
+standby machine of as many slots. With no such standby the job can only be restarted
+from its last checkpoint without the machine: that is decided (``CheckpointRestart``;
+the actuator asks the job for it) and journaled as such, not silently dropped.
+
+One decision per (job, node) until the actuator reports that node's migration (or
+restart) finished, or that it did not run it (a ``Hold`` naming this policy), or the
+job restarted (``JobRestarted``: a new run), or the node is no longer a member of the
+job: then the next finding decides again.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tmd import wire
 from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
@@ -47,6 +54,8 @@ class FailoverPolicy(Policy):
         events.RankStalled,
         events.MigrationFinished,
         events.Hold,
+        events.JobRestarted,
+        wire.JobStatus,
     )
     config: FailoverConfig
 
@@ -65,6 +74,12 @@ class FailoverPolicy(Policy):
             # this machine decides again.
             self._handled.discard((event.job, event.node))
             return ()
+        if isinstance(event, events.JobRestarted):
+            self._handled = {h for h in self._handled if h[0] != event.job}
+            return ()
+        if isinstance(event, wire.JobStatus):
+            self._forget_left(event)
+            return ()
         if not isinstance(event, self._triggers):
             return ()
         return self._decide(event, now)
@@ -73,7 +88,10 @@ class FailoverPolicy(Policy):
         view = self.context.view
         jobs = [finding.job] if finding.job else jobs_on(view, finding.node)
         cause = getattr(finding, "cause", "") or finding.detail
-        why = f"{type(finding).__name__} on {finding.node}" + (f": {cause}" if cause else "")
+        where = finding.node
+        if isinstance(finding, events.GpuFault):
+            where += f" GPU {finding.gpu}"
+        why = f"{type(finding).__name__} on {where}" + (f": {cause}" if cause else "")
         for job in jobs:
             if (job, finding.node) in self._handled:
                 continue
@@ -83,10 +101,22 @@ class FailoverPolicy(Policy):
                     ts=now, policy=self.name, job=job, node=finding.node, reason=why
                 )
             else:
+                seen = view.jobs.get(job)
+                slots = seen.slots(finding.node) if seen is not None else 0
+                size = f" of {slots} slots" if slots > 1 else ""
                 yield events.CheckpointRestart(
                     ts=now,
                     policy=self.name,
                     job=job,
                     node=finding.node,
-                    reason=f"{why}; no ready standby, so restart from the last checkpoint",
+                    reason=f"{why}; no ready standby{size}, so restart from the last checkpoint",
                 )
+
+    def _forget_left(self, status: wire.JobStatus) -> None:
+        """Forget the (job, node) pairs whose node is no longer a member of the job: what
+        was decided about it is moot, and if it comes back it is decided about anew."""
+        ours = [h for h in self._handled if h[0] == status.job]
+        if not ours:
+            return  # the usual case: no per-member work for a status
+        nodes = {m.node for m in status.members}
+        self._handled -= {h for h in ours if h[1] not in nodes}

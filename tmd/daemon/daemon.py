@@ -196,6 +196,8 @@ def _what(event: events.Event) -> str:
         return "request"
     if isinstance(event, events.MigrationFinished):
         return "migration finished"
+    if isinstance(event, events.JobRestarted):
+        return "job restarted"
     return "finding"
 
 

@@ -83,7 +83,10 @@ class Hold(Decision, kw_only=True, frozen=True):
 
 
 class CheckpointRestart(Decision, kw_only=True, frozen=True):
-    """No ready standby can take ``node``'s place: restart ``job`` from its checkpoint."""
+    """No ready standby can take ``node``'s place: restart ``job`` from its checkpoint
+    without it. The actuator asks the job for it (``wire.Restart``) while the machine's
+    processes still run; ``policy`` "runtime" records a rollback the runtime does by
+    itself, which nobody needs to ask for."""
 
     job: str
     node: str
@@ -118,7 +121,9 @@ class AlertFired(Request, kw_only=True, frozen=True):
 
 
 class MigrationFinished(Event, kw_only=True, frozen=True):
-    """The actuator's word on a migration, with the downtime the runtime measured."""
+    """The actuator's word on a migration, with the downtime the runtime measured; also
+    on a checkpoint restart it asked for, with ``to`` empty (nothing takes ``node``'s
+    place; ``done``: the job answered that it restarts without it)."""
 
     migration_id: str
     job: str
@@ -126,6 +131,16 @@ class MigrationFinished(Event, kw_only=True, frozen=True):
     to: str
     outcome: Literal["done", "aborted", "failed"]
     downtime_s: float | None = None
+
+
+class JobRestarted(Event, kw_only=True, frozen=True):
+    """A new run of ``job`` started from its checkpoint (its generation started over and
+    its step went back), as its status showed the actuator: what was decided about the
+    old run's machines is moot."""
+
+    job: str
+    generation: int
+    step: int
 
 
 ALL: tuple[type[Event], ...] = (
@@ -142,4 +157,5 @@ ALL: tuple[type[Event], ...] = (
     MigrateRequested,
     AlertFired,
     MigrationFinished,
+    JobRestarted,
 )

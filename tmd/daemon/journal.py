@@ -199,18 +199,30 @@ class Journal:
     # -- migrations --------------------------------------------------------------------
 
     def begin_migration(
-        self, *, id: str, job: str, leaver: str, joiner: str, reason: str, ts: float
+        self,
+        *,
+        id: str,
+        job: str,
+        leaver: str,
+        joiner: str,
+        reason: str,
+        ts: float,
+        state: str = "planned",
+        detail: dict[str, Any] | None = None,
     ) -> bool:
-        """Record a new migration in state ``planned``; False if ``id`` exists (idempotent)."""
+        """Record a new migration in ``state`` (``planned`` unless it starts in a later
+        one, with its ``detail``, in the same transaction); False if ``id`` exists
+        (idempotent)."""
         with self._tx() as db:
             cur = db.execute(
                 "INSERT OR IGNORE INTO migrations"
-                " (id, job, leaver, joiner, state, reason, created_ts, updated_ts)"
-                " VALUES (?,?,?,?,?,?,?,?)",
-                (id, job, leaver, joiner, "planned", reason, ts, ts),
+                " (id, job, leaver, joiner, state, reason, created_ts, updated_ts, detail)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
+                (id, job, leaver, joiner, state, reason, ts, ts, json.dumps(detail or {})),
             )
             if cur.rowcount:
-                self._transition_event(db, id, job, leaver, "planned", ts, {"reason": reason})
+                body = {"reason": reason, **(detail or {})}
+                self._transition_event(db, id, job, leaver, state, ts, body)
             return bool(cur.rowcount)
 
     def set_migration_state(

@@ -141,6 +141,12 @@ class Metrics:
         self.migrations = Counter(
             "tmd_migrations_total", "Migrations finished, by outcome", ["outcome"], registry=r
         )
+        self.restarts = Counter(
+            "tmd_restarts_total",
+            "Checkpoint restarts the actuator asked jobs for, by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.migrations_in_flight = Gauge(
             "tmd_migrations_in_flight", "Migrations the actuator is driving", registry=r
         )

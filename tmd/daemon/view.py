@@ -119,11 +119,27 @@ class JobView:
     generation: int = 0
     state: str = "unknown"
     step: int = 0
-    members: dict[int, str] = field(default_factory=dict)
+    members: dict[int, str] = field(default_factory=dict)  # rank -> node (its machine)
+    # rank -> its index among its machine's ranks; None from a runtime before machines
+    # (one rank per machine)
+    local_ranks: dict[int, int | None] = field(default_factory=dict)
     standbys: dict[str, wire.StandbyInfo] = field(default_factory=dict)
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_seen: float = 0.0
     status_ts: float = 0.0
+
+    def machines(self) -> dict[str, list[int]]:
+        """The job's machines, each with its ranks in local-rank order: what acts on a
+        machine (a migration, a restart without it) acts on all of these."""
+        out: dict[str, list[int]] = {}
+        for rank in sorted(self.members, key=lambda r: (self.local_ranks.get(r) or 0, r)):
+            out.setdefault(self.members[rank], []).append(rank)
+        return out
+
+    def slots(self, node: str) -> int:
+        """How many ranks of the job run on ``node`` (0: not a member): the slots a
+        standby machine needs to take its place."""
+        return sum(1 for n in self.members.values() if n == node)
 
 
 @dataclass
@@ -222,6 +238,7 @@ class ClusterView:
         job.state = status.state
         job.step = status.step
         job.members = {m.rank: m.node for m in status.members}
+        job.local_ranks = {m.rank: m.local_rank for m in status.members}
         job.standbys = {s.node: s for s in status.standbys}
         for rank in [r for r in job.ranks if r >= status.world_size]:
             del job.ranks[rank]
@@ -291,16 +308,21 @@ class ClusterView:
         return seen.gpus[0].name if seen is not None and seen.gpus else ""
 
     def ready_standbys(self, job: str, *, leaver: str | None = None) -> list[str]:
-        """The job's standbys that may take a machine's place now, by name: ready and
-        not a member by the job's own status (``wire.ready_standbys``), their node not
-        known to be offline and ``healthy``, and, given the ``leaver`` they would
-        replace, of its GPU model when both agents reported one (``same_gpu_model``)."""
+        """The job's standby machines that may take a machine's place now, by name:
+        ready and not a member by the job's own status (``wire.ready_standbys``), their
+        node not known to be offline and ``healthy``, and, given the ``leaver`` they
+        would replace, with as many slots as it runs ranks of the job (when it runs any)
+        and of its GPU model when both agents reported one (``same_gpu_model``)."""
         j = self.jobs.get(job)
         if j is None:
             return []
         want = self.gpu_model(leaver) if leaver is not None and self.same_gpu_model else ""
+        slots = j.slots(leaver) if leaver is not None else 0
         out = []
-        for name in wire.ready_standbys(j.standbys.values(), set(j.members.values())):
+        ready = wire.ready_standbys(
+            j.standbys.values(), set(j.members.values()), slots=slots or None
+        )
+        for name in ready:
             node = self.nodes.get(name)
             if node is not None and node.state == "offline":
                 continue
@@ -385,7 +407,8 @@ def _job_json(j: JobView, now: float) -> dict[str, Any]:
         "step": max((r.last_step for r in j.ranks.values()), default=j.step),
         "reporting_ranks": len(j.ranks),
         "standbys": [
-            {"node": s.node, "state": s.state, "warmup_s": s.warmup_s} for s in j.standbys.values()
+            {"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "slots": s.slots}
+            for s in j.standbys.values()
         ],
         "last_seen_s": round(now - j.last_seen, 3),
     }

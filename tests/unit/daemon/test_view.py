@@ -214,3 +214,44 @@ def test_a_standby_must_carry_the_leavers_gpu_model_when_both_are_known() -> Non
         want = ["s1", "s2"] if same else ["s0", "s1", "s2"]
         assert view.ready_standbys("j", leaver="w0") == want
         assert view.ready_standbys("j", leaver="w1") == ["s0", "s1", "s2"]  # w1's unknown
+
+
+# -- machines: a member is (rank, machine, local rank) -----------------------------------
+
+
+def machines_view(standbys: dict[str, int]) -> ClusterView:
+    """Job j on h0 and h1, two ranks each (h1's listed out of order), and standby
+    machines of the given slots, all ready."""
+    view = ClusterView()
+    members = [wire.Member(0, "h0", 0), wire.Member(1, "h0", 1), wire.Member(3, "h1", 1),
+               wire.Member(2, "h1", 0)]  # fmt: skip
+    infos = [wire.StandbyInfo(node=n, state="ready", slots=k) for n, k in standbys.items()]
+    view.apply_job_status(
+        wire.JobStatus(ts=TS, job="j", generation=0, world_size=4, members=members, standbys=infos),
+        TS,
+    )
+    return view
+
+
+def test_a_job_knows_its_machines_and_the_local_rank_of_each_rank() -> None:
+    job = machines_view({}).jobs["j"]
+    assert job.local_ranks == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert job.machines() == {"h0": [0, 1], "h1": [2, 3]}
+    assert (job.slots("h1"), job.slots("elsewhere")) == (2, 0)
+
+
+def test_ready_standbys_for_a_machine_have_as_many_slots_as_it_has_ranks() -> None:
+    view = machines_view({"s1": 1, "s2": 2, "s4": 4})
+    assert view.ready_standbys("j", leaver="h0") == ["s2"]
+    assert view.ready_standbys("j") == ["s1", "s2", "s4"]  # no machine to fit
+    assert view.ready_standbys("j", leaver="elsewhere") == ["s1", "s2", "s4"]  # runs none
+    view.note_fault("s2", TS)  # the other checks still apply
+    assert view.ready_standbys("j", leaver="h0") == []
+
+
+def test_a_status_from_before_machines_is_one_rank_per_machine() -> None:
+    view = standby_view({"s0": "ready"})
+    job = view.jobs["j"]
+    assert job.local_ranks == {0: None, 1: None}
+    assert job.machines() == {"w0": [0], "w1": [1]}
+    assert view.ready_standbys("j", leaver="w0") == ["s0"]  # a standby of one slot

@@ -1,4 +1,5 @@
-"""The actuator: turns ``Migrate`` decisions into live migrations of running jobs.
+"""The actuator: turns ``Migrate`` decisions into live migrations of running jobs, and
+``CheckpointRestart`` decisions into restarts the jobs are asked for.
 
 One concern per module:
 
@@ -7,6 +8,7 @@ One concern per module:
 - ``membership``: each job's membership, and the failovers and restarts it reveals;
 - ``resume``: resuming, after a restart, what the journal holds in flight;
 - ``standby``: which standby takes a leaver's place;
+- ``restart``: when a job is asked to restart without a machine, and that restart's flight;
 - ``guardrails``: the limits on what may run at all;
 - ``shell``: the ``Actuator`` that composes them, and its asyncio loop.
 """

@@ -9,6 +9,12 @@ The actuator drives the runtime's protocol over MQTT (QoS 1, ``tmd/v1/job/{job}/
                           each with the downtime it measured
             -> done       MigrationFinished(outcome="done", downtime_s=...)
 
+The unit is the machine: a member is a machine of K ranks, one process each, and the
+joiner a standby machine of as many slots. Every process answers for itself (``Ack``
+with its ``local_rank``), so a machine is prepared, switched or aborted once all K of
+its processes said so (``Flight.acked``); one process's ``failed`` or ``aborted``
+speaks for the whole migration.
+
 A ``failed`` answer, or a phase that outlives its timeout, sends ``Abort`` (state
 ``aborting``); the members' ``aborted`` answers end it as ``aborted``. While it waits
 the actuator sends the current command again every ``actuator.resend_s``, with the
@@ -18,6 +24,11 @@ second migration. The job's retained status is the other source of truth: a
 generation that put the joiner in the leaver's place means the switch happened, even
 if the acks were lost.
 
+A checkpoint restart is a flight too, of one phase (``restarting``): ``Restart`` sent
+until the job answers ``restarting`` (any one process: rank 0 writes the checkpoint)
+or its status says it is restarting or stopped -> ``done``; no answer within
+``actuator.switch_timeout_s`` -> ``failed``. It has no joiner.
+
 ``Flight`` is the record; ``PhaseMachine`` moves it on what arrives (an ack, a status,
 the time) and answers with a ``Next``: what the actuator then journals, sends or
 emits (``tmd.daemon.actuator.ledger``). Nothing here does I/O or reads a clock.
@@ -26,6 +37,7 @@ emits (``tmd.daemon.actuator.ledger``). Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -33,18 +45,26 @@ from tmd import wire
 from tmd.config import ActuatorConfig
 from tmd.daemon.view import JobView
 
-Phase = Literal["preparing", "switching", "aborting", "runtime"]
+Phase = Literal["preparing", "switching", "aborting", "runtime", "restarting"]
 Outcome = Literal["done", "aborted", "failed"]
 
 RUNTIME_ACK_GRACE_S = 10.0
 """How long a failover the runtime did by itself waits for its donor's ``switched``
 ack (which carries the downtime) before it is journaled without one."""
 REPLACED_BY_RUNTIME = "replaced by the runtime's failover"
+RESTART = "restart"
+"""The journaled ``kind`` of a checkpoint restart's row (a migration's has none)."""
+
+
+AckKey = tuple[str, str, int | None]
+"""(kind, node, local rank): one process's answer; local rank None is the machine's
+only process (a runtime from before machines)."""
 
 
 @dataclass
 class Flight:
-    """One migration the actuator is driving (or, phase ``runtime``, recording)."""
+    """One migration the actuator is driving (or, phase ``runtime``, recording; phase
+    ``restarting``: a checkpoint restart without ``leaver``, no joiner)."""
 
     id: str
     job: str
@@ -58,17 +78,32 @@ class Flight:
     deadline: float
     next_send: float = 0.0
     abort_reason: str = ""
-    acks: dict[tuple[str, str], wire.Ack] = field(default_factory=dict)  # (kind, node)
+    slots: dict[str, int] = field(default_factory=dict)
+    """node -> its processes (ranks) when it started, the joiner taking the leaver's;
+    a node not named has one (a flight journaled before machines had local ranks)."""
+    acks: dict[AckKey, wire.Ack] = field(default_factory=dict)
     switched_by_status: bool = False
     runtime_id: str = ""  # the runtime's own id of a failover it did by itself
 
-    def acked(self, kind: str) -> set[str]:
-        return {node for k, node in self.acks if k == kind}
+    def slots_of(self, node: str) -> int:
+        return self.slots.get(node, 1)
+
+    def answered(self, kind: str, node: str, *, also: str = "") -> int:
+        """How many of ``node``'s processes answered ``kind`` (or ``also``)."""
+        return len({local for k, n, local in self.acks if n == node and k in (kind, also)})
+
+    def acked(self, kind: str, *, also: str = "") -> set[str]:
+        """The nodes all of whose processes answered ``kind`` (or ``also``)."""
+        seen: dict[str, set[int | None]] = {}
+        for k, node, local in self.acks:
+            if k in (kind, also):
+                seen.setdefault(node, set()).add(local)
+        return {node for node, procs in seen.items() if len(procs) >= self.slots_of(node)}
 
     def keep(self, ack: wire.Ack) -> None:
-        """Record a member's answer; a repeat that carries the downtime replaces one that
+        """Record a process's answer; a repeat that carries the downtime replaces one that
         did not (the first answer may have been lost, or come from a resend)."""
-        key = (ack.kind, ack.node)
+        key = (ack.kind, ack.node, ack.local_rank)
         held = self.acks.get(key)
         if held is None or (held.downtime is None and ack.downtime is not None):
             self.acks[key] = ack
@@ -77,6 +112,27 @@ class Flight:
     def after_switch(self) -> frozenset[str]:
         """The members once it switched: the stayers and the joiner."""
         return (self.members - {self.leaver}) | {self.joiner}
+
+    @property
+    def is_restart(self) -> bool:
+        return self.phase == "restarting"
+
+
+def machine_slots(
+    machines: Mapping[str, Sequence[int]], leaver: str, joiner: str
+) -> dict[str, int]:
+    """Each machine's processes, from its ranks (``JobView.machines``); the joiner has
+    as many as the leaver it replaces. Machines of one rank are left out (the default)."""
+    slots = {node: len(ranks) for node, ranks in machines.items() if len(ranks) != 1}
+    k = slots.get(leaver) or slots.get(joiner) or 1
+    for node in (leaver, joiner):
+        if not node:
+            continue
+        if k != 1:
+            slots[node] = k
+        else:
+            slots.pop(node, None)
+    return slots
 
 
 class Next(NamedTuple):
@@ -107,6 +163,7 @@ class PhaseMachine:
             "switching": c.switch_timeout_s,
             "aborting": c.abort_timeout_s,
             "runtime": RUNTIME_ACK_GRACE_S,
+            "restarting": c.switch_timeout_s,
         }[phase]
 
     def set_phase(self, flight: Flight, phase: Phase, now: float) -> None:
@@ -123,6 +180,11 @@ class PhaseMachine:
             )  # fmt: skip
         if flight.phase == "switching":
             return wire.Switch(ts=now, job=flight.job, migration_id=flight.id)
+        if flight.phase == "restarting":
+            return wire.Restart(
+                ts=now, job=flight.job, migration_id=flight.id, node=flight.leaver,
+                reason=flight.reason[:1000],
+            )  # fmt: skip
         return wire.Abort(
             ts=now, job=flight.job, migration_id=flight.id, reason=flight.abort_reason[:1000]
         )
@@ -131,7 +193,12 @@ class PhaseMachine:
     def journaled(flight: Flight, phase: Phase) -> dict[str, Any]:
         """What the journal keeps on entering ``phase``, besides the phase."""
         if phase == "preparing":  # what a resumed migration checks its acks against
-            return {"generation": flight.generation, "members": sorted(flight.members)}
+            return {
+                "generation": flight.generation, "members": sorted(flight.members),
+                "slots": dict(sorted(flight.slots.items())),
+            }  # fmt: skip
+        if phase == "restarting":  # what tells a restart's row from a migration's
+            return {"kind": RESTART, "generation": flight.generation}
         return {}
 
     # -- what arrives ------------------------------------------------------------------
@@ -140,6 +207,15 @@ class PhaseMachine:
         flight.keep(ack)
         if flight.phase == "runtime":  # the donor's answer carries the downtime
             return Next("done", REPLACED_BY_RUNTIME) if ack.kind == "switched" else STAY
+        if flight.phase == "restarting":
+            # One answer is enough: rank 0 writes the checkpoint, and every process
+            # checkpoints and exits on the same command.
+            who = f"{ack.node}" + (f" rank {ack.rank}" if ack.rank is not None else "")
+            if ack.kind == "restarting":
+                return Next("done", f"{who} answered restarting")
+            if ack.kind == "failed":
+                return Next("failed", f"{who} failed: {ack.detail}")
+            return STAY
         if ack.kind == "failed" and flight.phase in ("preparing", "switching"):
             return Next("abort", f"{ack.node} failed: {ack.detail}")
         if ack.kind == "failed" and flight.phase == "aborting":
@@ -170,8 +246,16 @@ class PhaseMachine:
         return STAY
 
     @staticmethod
-    def on_status(flight: Flight, generation: int, nodes: set[str]) -> Next:
-        """A status of the flight's job with these member ``nodes``."""
+    def on_status(
+        flight: Flight, generation: int, nodes: set[str], *, state: str = "running"
+    ) -> Next:
+        """A status of the flight's job with these member ``nodes``, in ``state``."""
+        if flight.phase == "restarting":
+            if state in ("restarting", "stopped"):
+                return Next("done", f"the job's status says {state}")
+            if flight.leaver not in nodes:
+                return Next("aborted", f"{flight.leaver} left the job")
+            return STAY
         if flight.phase == "runtime" or generation <= flight.generation:
             return STAY
         if flight.joiner in nodes and flight.leaver not in nodes:
@@ -196,6 +280,10 @@ class PhaseMachine:
         return STAY
 
     def _timed_out(self, flight: Flight, job: JobView | None) -> Next:
+        if flight.phase == "restarting":
+            return Next(
+                "failed", f"no answer to the restart within {self.timeout_s('restarting'):g} s"
+            )
         if flight.switched_by_status:
             return Next("done", "switched (by the job's status); acks missing")
         if flight.phase == "aborting":
@@ -205,7 +293,7 @@ class PhaseMachine:
             return Next("failed", "no confirmation of the abort")
         waited = "prepared" if flight.phase == "preparing" else "switched"
         want = set(flight.after_switch if flight.phase == "switching" else flight.members)
-        missing = ", ".join(sorted(want - flight.acked(waited))) or "none"
+        missing = ", ".join(_missing(flight, waited, want)) or "none"
         return Next("abort", f"timed out waiting for {waited} from {missing}")
 
     # -- whether it is over ------------------------------------------------------------
@@ -219,28 +307,39 @@ class PhaseMachine:
     @staticmethod
     def if_aborted(flight: Flight) -> Next:
         # A member that refused the prepare ("failed") never joined the migration.
-        if flight.members <= flight.acked("aborted") | flight.acked("failed"):
+        if flight.members <= flight.acked("aborted", also="failed"):
             return Next("aborted", flight.abort_reason)
         return STAY
+
+
+def _missing(flight: Flight, kind: str, want: set[str]) -> list[str]:
+    """The nodes in ``want`` not all of whose processes answered ``kind``, a machine of
+    several with how many did."""
+    out = []
+    for node in sorted(want - flight.acked(kind)):
+        k = flight.slots_of(node)
+        out.append(f"{node} ({flight.answered(kind, node)} of {k})" if k > 1 else node)
+    return out
 
 
 def outcome_record(
     flight: Flight, outcome: Outcome, detail: str = ""
 ) -> tuple[dict[str, Any], float | None]:
-    """What the journal keeps of a finished migration, and its downtime: the worst the
-    stayers and the joiner measured (the leaver's own number does not count)."""
-    downtimes = {
-        node: ack.downtime
-        for (kind, node), ack in flight.acks.items()
+    """What the journal keeps of a finished migration, and its downtime: the worst any
+    process of the stayers and the joiner measured (the leaver's own number does not
+    count); the median is over those processes too."""
+    downtimes = [
+        ack.downtime
+        for (kind, node, _), ack in flight.acks.items()
         if kind == "switched" and ack.downtime is not None and node != flight.leaver
-    }
-    downtime = max((d.total_s for d in downtimes.values()), default=None)
+    ]
+    downtime = max((d.total_s for d in downtimes), default=None)
     record: dict[str, Any] = {"outcome": outcome}
     if detail:
         record["detail"] = detail
     if downtime is not None:
-        median = statistics.median(d.total_s for d in downtimes.values())
-        worst = max(downtimes.values(), key=lambda d: d.total_s)
+        median = statistics.median(d.total_s for d in downtimes)
+        worst = max(downtimes, key=lambda d: d.total_s)
         record.update(
             downtime_s=downtime, downtime_median_s=median,
             breakdown={"stop_s": worst.stop_s, "transfer_s": worst.transfer_s,

@@ -5,8 +5,10 @@ it: at most ``max_concurrent_per_job`` migrations in flight per job; a cooldown 
 node; a cluster-wide rate limit per hour; planned migrations (every policy but
 failover) keep ``min_standby_pool`` ready standbys in the job, while failover may
 use the last one, since a dead machine is worse than an empty pool; and dry-run,
-which journals every decision and executes none. ``check`` is a pure function of
-the decision and the state it is given.
+which journals every decision and executes none. A checkpoint restart is disruptive
+too (``check_restart``): dry-run holds it, and a job never migrates and restarts at
+once, whichever came first. ``check`` and ``check_restart`` are pure functions of
+the decision and the state they are given.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tmd.config import GuardrailsConfig
 from tmd.daemon import events
 
 URGENT_POLICIES = frozenset({"failover", "alert"})
+DRY_RUN = "dry run: decisions are journaled, nothing is executed"
 
 
 @dataclass
@@ -25,6 +28,7 @@ class GuardState:
     """What the actuator knows: migrations in flight and recently started."""
 
     in_flight: dict[str, int] = field(default_factory=dict)  # job -> count
+    restarting: dict[str, str] = field(default_factory=dict)  # job -> its restart's id
     last_on_node: dict[str, float] = field(default_factory=dict)  # node -> start time
     started: deque[float] = field(default_factory=deque)  # start times, last hour
 
@@ -53,7 +57,10 @@ def check(
     while state.started and state.started[0] < now - 3600:
         state.started.popleft()
     if config.dry_run:
-        return "dry run: decisions are journaled, nothing is executed"
+        return DRY_RUN
+    restart = state.restarting.get(decision.job)
+    if restart is not None:
+        return f"job {decision.job} is restarting from its checkpoint ({restart})"
     if state.in_flight.get(decision.job, 0) >= config.max_concurrent_per_job:
         return (
             f"job {decision.job} already has {state.in_flight[decision.job]} migration(s) "
@@ -76,4 +83,20 @@ def check(
             f"{ready_standbys} ready standby(s) left and planned migrations keep "
             f"{config.min_standby_pool} (guardrails.min_standby_pool)"
         )
+    return None
+
+
+def check_restart(
+    decision: events.CheckpointRestart, *, config: GuardrailsConfig, state: GuardState
+) -> str | None:
+    """Why the checkpoint restart ``decision`` asks for must not be asked now, or None.
+    The rate limits and cooldowns of migrations do not apply: a restart is what is left
+    when no migration can run."""
+    if config.dry_run:
+        return DRY_RUN
+    job = decision.job
+    if job in state.restarting:
+        return f"job {job} is already restarting ({state.restarting[job]})"
+    if state.in_flight.get(job, 0):
+        return f"job {job} has {state.in_flight[job]} migration(s) in flight"
     return None

@@ -4,6 +4,11 @@ Every transition is journaled before the command that follows it is sent, and ea
 migration ends in exactly one ``MigrationFinished``: the journal refuses to end one
 twice (``AlreadyFinished``), and only the first end is counted and emitted. The
 ledger also keeps what the guardrails count (``GuardState``) and who replaced whom.
+
+A checkpoint restart the actuator asks for is kept the same way, as a row of its own
+kind (``kind: restart`` in its detail, no joiner) that starts in state ``restarting``
+and ends ``done`` (the job answered) or ``failed``; the ledger remembers, until the
+job's next run, which machines a job was asked to restart without.
 """
 
 from __future__ import annotations
@@ -42,12 +47,21 @@ class Ledger:
         self.log = log
         self.flights: dict[str, Flight] = {}
         self.replaced: dict[tuple[str, str], str] = {}  # (job, node) -> who replaced it
+        # (job, node) -> the restart that asked the job to go on without node, until the
+        # job's next run
+        self.restarts_asked: dict[tuple[str, str], str] = {}
 
     def of_job(self, job: str) -> list[Flight]:
         return [f for f in self.flights.values() if f.job == job]
 
     def begin(self, flight: Flight, *, reason: str, now: float) -> bool:
-        """Journal a new migration as ``planned``; False if it was journaled already."""
+        """Journal a new migration as ``planned`` (a restart as ``restarting``: nothing
+        comes before its command); False if it was journaled already."""
+        if flight.is_restart:
+            return self.journal.begin_migration(
+                id=flight.id, job=flight.job, leaver=flight.leaver, joiner="", reason=reason,
+                ts=now, state="restarting", detail=self.machine.journaled(flight, "restarting"),
+            )  # fmt: skip
         return self.journal.begin_migration(
             id=flight.id, job=flight.job, leaver=flight.leaver, joiner=flight.joiner,
             reason=reason, ts=now,
@@ -55,14 +69,21 @@ class Ledger:
 
     def start(self, flight: Flight, started: float) -> None:
         """Drive ``flight``; the guardrails count it from ``started``."""
-        self.guard_state.record_start(
-            events.Migrate(ts=started, policy=flight.policy, reason="", job=flight.job,
-                           node=flight.leaver),
-            started,
-        )  # fmt: skip
+        if flight.is_restart:
+            self.guard_state.restarting[flight.job] = flight.id
+        else:
+            self.guard_state.record_start(
+                events.Migrate(ts=started, policy=flight.policy, reason="", job=flight.job,
+                               node=flight.leaver),
+                started,
+            )  # fmt: skip
         self.flights[flight.id] = flight
+        self._count_in_flight()
+
+    def _count_in_flight(self) -> None:
         if self.metrics is not None:
-            self.metrics.migrations_in_flight.set(len(self.flights))
+            migrating = sum(1 for f in self.flights.values() if not f.is_restart)
+            self.metrics.migrations_in_flight.set(migrating)
 
     def enter(
         self, flight: Flight, phase: Phase, now: float, *, detail: dict[str, Any] | None = None
@@ -76,16 +97,23 @@ class Ledger:
     def finish(self, flight: Flight, outcome: Outcome, now: float, *, detail: str = "") -> None:
         record, downtime = outcome_record(flight, outcome, detail)
         self.flights.pop(flight.id, None)
-        self.guard_state.record_end(flight.job)
+        if flight.is_restart:
+            if self.guard_state.restarting.get(flight.job) == flight.id:
+                del self.guard_state.restarting[flight.job]
+        else:
+            self.guard_state.record_end(flight.job)
         try:
             self.journal.set_migration_state(flight.id, outcome, ts=now, detail=record)
         except AlreadyFinished:
             return  # never report a migration twice
+        self._count_in_flight()
+        if flight.is_restart:
+            self._restart_finished(flight, outcome, now)
+            return
         if outcome == "done":
             self.replaced[(flight.job, flight.leaver)] = flight.joiner
         if self.metrics is not None:
             self.metrics.migrations.labels(outcome=outcome).inc()
-            self.metrics.migrations_in_flight.set(len(self.flights))
             if downtime is not None:
                 # A switch cheaper than the step noise measures slightly below zero;
                 # the event and the journal keep that, the histogram (whose _sum must
@@ -98,3 +126,20 @@ class Ledger:
             ),
             SOURCE,
         )  # fmt: skip
+
+    def _restart_finished(self, flight: Flight, outcome: Outcome, now: float) -> None:
+        if outcome == "done":
+            self.restarts_asked[(flight.job, flight.leaver)] = flight.id
+        if self.metrics is not None:
+            self.metrics.restarts.labels(outcome=outcome).inc()
+        self.emit(
+            events.MigrationFinished(
+                ts=now, migration_id=flight.id, job=flight.job, node=flight.leaver, to="",
+                outcome=outcome,
+            ),
+            SOURCE,
+        )  # fmt: skip
+
+    def job_restarted(self, job: str) -> None:
+        """A new run of ``job``: what it was asked to go on without is moot."""
+        self.restarts_asked = {k: v for k, v in self.restarts_asked.items() if k[0] != job}

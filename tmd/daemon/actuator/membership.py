@@ -15,14 +15,25 @@ sees what changed while it was down.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import NamedTuple
 
 from tmd import wire
 from tmd.daemon.actuator.flight import RUNTIME_ACK_GRACE_S, Flight
 from tmd.daemon.journal import Journal, Membership
 
 MAX_EARLY_ACKS = 1024
+RUNTIME = "runtime"
+"""The policy named in what the runtime did by itself: its failovers, its rollbacks."""
 
-__all__ = ["FailoverAcks", "Membership", "Memberships", "moved", "runtime_failover", "went_back"]
+__all__ = [
+    "FailoverAcks",
+    "Membership",
+    "Memberships",
+    "Moved",
+    "moved",
+    "runtime_failover",
+    "went_back",
+]
 
 
 class Memberships:
@@ -58,6 +69,15 @@ def went_back(before: Membership, status: wire.JobStatus) -> bool:
     return (status.generation, status.step) < (before.generation, before.step)
 
 
+class Moved(NamedTuple):
+    """A machine the runtime replaced by itself: its ranks that moved (ascending) from
+    ``leaver`` to ``joiner``."""
+
+    ranks: tuple[int, ...]
+    leaver: str
+    joiner: str
+
+
 def moved(
     job: str,
     before: Membership,
@@ -65,40 +85,46 @@ def moved(
     *,
     switched_to: Collection[str],
     replaced: Mapping[tuple[str, str], str],
-) -> list[tuple[int, str, str]]:
-    """(rank, leaver, joiner) for each machine the runtime replaced by itself between two
-    memberships: a rank now on another node, unless a migration of ours put it there
-    (its joiner is in ``switched_to``, or ``replaced`` already says so). A machine with
-    several ranks is replaced once."""
+) -> list[Moved]:
+    """Each machine the runtime replaced by itself between two memberships: ranks now on
+    another node, unless a migration of ours put them there (its joiner is in
+    ``switched_to``, or ``replaced`` already says so). A machine whose K ranks all moved
+    to one new machine is one replacement, not K."""
     if after.generation <= before.generation:
         return []
-    out: list[tuple[int, str, str]] = []
-    found: set[tuple[str, str]] = set()
+    found: dict[tuple[str, str], list[int]] = {}
     for rank, node in sorted(after.members.items()):
         old = before.members.get(rank)
         if old is None or old == node or node in switched_to:
             continue
         if replaced.get((job, old)) == node:
             continue  # a migration of ours whose acks came before this status
-        if (old, node) not in found:
-            found.add((old, node))
-            out.append((rank, old, node))
-    return out
+        found.setdefault((old, node), []).append(rank)
+    return [Moved(tuple(ranks), old, new) for (old, new), ranks in found.items()]
 
 
 def runtime_failover(
-    status: wire.JobStatus, *, rank: int, leaver: str, joiner: str, generation: int, now: float
+    status: wire.JobStatus,
+    *,
+    ranks: tuple[int, ...],
+    leaver: str,
+    joiner: str,
+    generation: int,
+    now: float,
 ) -> Flight:
-    """The record of a failover the runtime did by itself at ``generation``, awaiting the
-    donor's ack that carries its downtime."""
+    """The record of a failover the runtime did by itself at ``generation`` (machine
+    ``leaver``'s ``ranks`` now on ``joiner``), awaiting the donor's ack that carries its
+    downtime."""
     runtime_id = f"failover-g{generation}"
+    lost = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     return Flight(
         # The status's time tells apart runs of a job that restarted (the runtime's
         # generations, and so its failover ids, start over) and is the same when a
-        # retained status is delivered again.
-        id=f"{status.job}.{runtime_id}.r{rank}.t{int(status.ts)}"[-128:],
-        job=status.job, leaver=leaver, joiner=joiner, policy="runtime",
-        reason=f"the runtime replaced lost rank {rank} ({leaver}) with {joiner}",
+        # retained status is delivered again. The first rank names the machine, as it
+        # did when every machine had one.
+        id=f"{status.job}.{runtime_id}.r{ranks[0]}.t{int(status.ts)}"[-128:],
+        job=status.job, leaver=leaver, joiner=joiner, policy=RUNTIME,
+        reason=f"the runtime replaced lost {lost} (machine {leaver}) with {joiner}",
         phase="runtime", generation=generation, members=frozenset(), runtime_id=runtime_id,
         deadline=now + RUNTIME_ACK_GRACE_S,
     )  # fmt: skip

@@ -6,6 +6,11 @@ resumes each migration the journal still holds in flight from the phase it reach
 (``Journal.in_flight``), so a migration is neither lost nor repeated, and each ends
 in exactly one ``MigrationFinished``. The guardrails count the migrations of the last
 hour from when they started, as if the daemon had not stopped.
+
+A checkpoint restart still in flight is resumed the same way: its ``Restart`` is sent
+again with the same id (the runtime acts on an id once), unless the job's status
+already answered it; a new decision about the same machine is then held, never sent
+as a second restart.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from tmd import wire
-from tmd.daemon.actuator.flight import Flight, Phase
+from tmd.daemon.actuator.flight import RESTART, Flight, Phase, machine_slots
 from tmd.daemon.actuator.ledger import Ledger
 from tmd.daemon.journal import TERMINAL_STATES, MigrationRow
 from tmd.daemon.view import ClusterView, JobView
@@ -24,8 +29,8 @@ def reconcile(ledger: Ledger, view: ClusterView, now: float) -> list[wire.Messag
     guard = ledger.guard_state
     out: list[wire.Message] = []
     for row in ledger.journal.recent_migrations(now - 3600):
-        if row.state not in TERMINAL_STATES:
-            continue  # counted again when it is resumed below
+        if row.state not in TERMINAL_STATES or is_restart(row):
+            continue  # counted again when it is resumed below; a restart is not counted
         guard.started.append(row.created_ts)
         guard.last_on_node[row.leaver] = row.created_ts
     for row in ledger.journal.in_flight():
@@ -40,6 +45,8 @@ def resume(
     ledger: Ledger, row: MigrationRow, job: JobView | None, now: float
 ) -> list[wire.Message]:
     """Drive ``row`` again from the phase it reached; ``job`` as the view has it now."""
+    if is_restart(row):
+        return _resume_restart(ledger, row, job, now)
     if row.detail.get("runtime_id"):  # a failover the runtime did, awaiting its ack
         ledger.start(_restore(ledger, row, job, "runtime", now), row.created_ts)
         return []
@@ -64,6 +71,28 @@ def resume(
     return [ledger.machine.command(flight, now)]
 
 
+def is_restart(row: MigrationRow) -> bool:
+    """Whether ``row`` is a checkpoint restart's, not a migration's."""
+    return row.detail.get("kind") == RESTART
+
+
+def _resume_restart(
+    ledger: Ledger, row: MigrationRow, job: JobView | None, now: float
+) -> list[wire.Message]:
+    flight = _restore(ledger, row, job, "restarting", now)
+    ledger.start(flight, row.created_ts)
+    if job is not None:  # the status may have answered it while the daemon was down
+        action, detail = ledger.machine.on_status(
+            flight, job.generation, set(job.members.values()), state=job.state
+        )
+        if action in ("done", "aborted"):
+            ledger.finish(flight, action, now, detail=f"{detail} (while the daemon was down)")
+            return []
+    ledger.log.info("resuming restart", migration_id=row.id, job=row.job, node=row.leaver)
+    ledger.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
+    return [ledger.machine.command(flight, now)]
+
+
 def _restore(
     ledger: Ledger, row: MigrationRow, job: JobView | None, phase: Phase, now: float
 ) -> Flight:
@@ -74,14 +103,18 @@ def restore(row: MigrationRow, job: JobView | None, phase: Phase, *, deadline: f
     """The flight record of a journaled migration, in ``phase`` until ``deadline``."""
     if "members" in row.detail:  # as journaled when it started
         members = frozenset(str(m) for m in row.detail["members"])
+        # Journaled before machines had local ranks: one process per machine.
+        slots = {str(n): int(k) for n, k in dict(row.detail.get("slots") or {}).items()}
     else:
         members = frozenset(job.members.values()) if job is not None else frozenset()
         if row.joiner in members:  # it switched: the members before it had the leaver
             members = (members - {row.joiner}) | {row.leaver}
+        machines = job.machines() if job is not None else {}
+        slots = machine_slots(machines, row.leaver, row.joiner)
     return Flight(
         id=row.id, job=row.job, leaver=row.leaver, joiner=row.joiner,
         policy=row.reason.partition(":")[0], reason=row.reason, phase=phase,
         generation=int(row.detail.get("generation", job.generation if job else 0)),
-        members=members, deadline=deadline,
+        members=members, deadline=deadline, slots=slots,
         runtime_id=str(row.detail.get("runtime_id", "")),
     )  # fmt: skip

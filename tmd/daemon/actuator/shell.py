@@ -2,7 +2,9 @@
 resume and standby choice, and the thin asyncio shell that runs them.
 
 For each ``Migrate`` decision it picks the standby (``standby``), applies the
-guardrails, journals the migration and drives it (``flight``); it follows each job's
+guardrails, journals the migration and drives it (``flight``); for each
+``CheckpointRestart`` it asks the job to restart without the machine when that is
+still needed (``restart``), journaled and driven the same way; it follows each job's
 status (``membership``) and, after a restart, resumes what the journal holds in
 flight (``resume``). All of that is synchronous and takes the time as an argument
 (``on_event``, ``on_tick``, ``reconcile``), so it runs on an injected clock in tests
@@ -23,8 +25,8 @@ from tmd import log, wire
 from tmd.clock import Clock
 from tmd.config import ActuatorConfig, GuardrailsConfig
 from tmd.daemon import events
-from tmd.daemon.actuator import guardrails, membership, resume, standby
-from tmd.daemon.actuator.flight import Flight, Next, Outcome, PhaseMachine
+from tmd.daemon.actuator import guardrails, membership, restart, resume, standby
+from tmd.daemon.actuator.flight import Flight, Next, Outcome, PhaseMachine, machine_slots
 from tmd.daemon.actuator.ledger import SOURCE, Emit, Ledger
 from tmd.daemon.bus import Bus
 from tmd.daemon.journal import Journal
@@ -77,6 +79,8 @@ class Actuator:
         """Feed one bus event; returns the commands to publish, in order."""
         if isinstance(event, events.Migrate):
             return self._on_migrate(event, now)
+        if isinstance(event, events.CheckpointRestart):
+            return self._on_checkpoint_restart(event, now)
         if isinstance(event, wire.Ack):
             return self._on_ack(event, now)
         if isinstance(event, wire.JobStatus):
@@ -135,6 +139,7 @@ class Actuator:
             generation=job.generation,
             members=frozenset(job.members.values()),
             deadline=now + self.config.prepare_timeout_s,
+            slots=machine_slots(job.machines(), decision.node, candidates[0]),
         )
         self.ledger.begin(flight, reason=f"{decision.policy}: {decision.reason}", now=now)
         self.ledger.start(flight, now)
@@ -143,6 +148,40 @@ class Actuator:
             leaver=flight.leaver, joiner=flight.joiner, policy=flight.policy,
         )  # fmt: skip
         return [self.ledger.enter(flight, "preparing", now)]
+
+    def _on_checkpoint_restart(
+        self, decision: events.CheckpointRestart, now: float
+    ) -> list[wire.Message]:
+        if restart.is_the_runtimes(decision):
+            return []  # the runtime is rolling back by itself: nothing to ask
+        why = restart.held(decision, view=self.view, asked=self.ledger.restarts_asked)
+        if why is None:
+            why = guardrails.check_restart(decision, config=self.guard, state=self.guard_state)
+            if not self.config.enabled and why is None:
+                why = "actuator.enabled is false"
+            if why is not None and self.guard.dry_run:
+                why += f" (would ask job {decision.job} to restart without {decision.node})"
+        if why is not None:
+            self.emit(
+                events.Hold(
+                    ts=now, policy=SOURCE, job=decision.job, node=decision.node,
+                    reason=f"{decision.policy}'s checkpoint restart without {decision.node} "
+                    f"not asked: {why}",
+                    held=decision.policy,
+                ),
+                SOURCE,
+            )  # fmt: skip
+            return []
+        flight = restart.flight(
+            decision, view=self.view, now=now, timeout_s=self.machine.timeout_s("restarting")
+        )
+        self.ledger.begin(flight, reason=f"{decision.policy}: {decision.reason}", now=now)
+        self.ledger.start(flight, now)
+        self.log.warning(
+            "asking for a checkpoint restart", migration_id=flight.id, job=flight.job,
+            node=flight.leaver, policy=flight.policy,
+        )  # fmt: skip
+        return [self.machine.command(flight, now)]
 
     # -- the runtime's answers ---------------------------------------------------------
 
@@ -158,7 +197,7 @@ class Actuator:
             if ack.migration_id.startswith("failover-") and self.failover_acks.hold(ack):
                 self.emit(
                     events.CheckpointRestart(
-                        ts=now, policy="runtime", job=ack.job, node=ack.node,
+                        ts=now, policy=membership.RUNTIME, job=ack.job, node=ack.node,
                         reason=f"the runtime could not replace a lost rank: {ack.detail}",
                     ),
                     SOURCE,
@@ -179,7 +218,11 @@ class Actuator:
         nodes = set(after.members.values())
         ours = [f for f in self.ledger.of_job(status.job) if f.phase != "runtime"]
         for flight in ours:
-            self._apply(flight, self.machine.on_status(flight, status.generation, nodes), now)
+            step = self.machine.on_status(flight, status.generation, nodes, state=status.state)
+            self._apply(flight, step, now)
+        for job, node in [k for k in self.ledger.restarts_asked if k[0] == status.job]:
+            if node not in nodes:  # it left: a later run that has it again may be asked
+                del self.ledger.restarts_asked[(job, node)]
         if before is None:
             return []
         moved = membership.moved(
@@ -187,28 +230,38 @@ class Actuator:
             switched_to={f.joiner for f in ours if f.switched_by_status},
             replaced=self.ledger.replaced,
         )  # fmt: skip
-        for rank, leaver, joiner in moved:
-            self._record_runtime_failover(status, rank, leaver, joiner, before.generation, now)
+        for machine in moved:
+            self._record_runtime_failover(status, machine, before.generation, now)
         return []
 
     def _job_restarted(self, status: wire.JobStatus, now: float) -> None:
         """A new run of the job (a checkpoint restart starts over at generation 0): what
         was in flight in the old one is over, and its ids will be used again."""
         for flight in self.ledger.of_job(status.job):
-            outcome: Outcome = "done" if flight.phase == "runtime" else "aborted"
+            # A restart we asked for that the new run answers: it happened.
+            done = flight.phase in ("runtime", "restarting")
+            outcome: Outcome = "done" if done else "aborted"
             self.ledger.finish(flight, outcome, now, detail="the job restarted")
         self.failover_acks.forget(status.job)
+        self.ledger.job_restarted(status.job)
+        self.emit(
+            events.JobRestarted(
+                ts=now, job=status.job, generation=status.generation, step=status.step
+            ),
+            SOURCE,
+        )
 
     def _record_runtime_failover(
-        self, status: wire.JobStatus, rank: int, leaver: str, joiner: str, old_gen: int, now: float
+        self, status: wire.JobStatus, machine: membership.Moved, old_gen: int, now: float
     ) -> None:
+        ranks, leaver, joiner = machine
         if any(
             (r.job, r.leaver, r.joiner) == (status.job, leaver, joiner)
             for r in self.journal.in_flight()
         ):
             return  # a migration of ours that switched while the daemon was down
         flight = membership.runtime_failover(
-            status, rank=rank, leaver=leaver, joiner=joiner, generation=old_gen, now=now
+            status, ranks=ranks, leaver=leaver, joiner=joiner, generation=old_gen, now=now
         )
         self.ledger.replaced[(status.job, leaver)] = joiner
         if not self.ledger.begin(flight, reason=flight.reason, now=now):
@@ -216,7 +269,7 @@ class Actuator:
         self.ledger.start(flight, now)
         self.journal.set_migration_state(
             flight.id, "switching", ts=now,
-            detail={"rank": rank, "runtime_id": flight.runtime_id},
+            detail={"rank": ranks[0], "ranks": list(ranks), "runtime_id": flight.runtime_id},
         )  # fmt: skip
         early = self.failover_acks.claim(status.job, flight.runtime_id)
         if early is not None:
@@ -259,10 +312,8 @@ class Actuator:
 
         A command that cannot be published (broker down) is not queued: the next
         resend carries it, so a long outage does not build a backlog of stale ones."""
-        sub = bus.subscribe(
-            "actuator",
-            (events.Migrate, events.GpuFault, events.NodeLost, wire.Ack, wire.JobStatus),
-        )
+        kinds = (events.Migrate, events.CheckpointRestart, wire.Ack, wire.JobStatus)
+        sub = bus.subscribe("actuator", kinds)
         try:
             await subscribed.wait()
             await asyncio.sleep(self.config.settle_s)

@@ -2,7 +2,8 @@
 
 Whether a standby is ready at all is the cluster view's to say
 (``ClusterView.ready_standbys``: ready in the job's own status, its node not offline,
-no GPU fault or loss since its agent last reported, the leaver's GPU model), the same
+no GPU fault or loss since its agent last reported, as many slots as the leaver has
+ranks in the job, the leaver's GPU model), the same
 answer the policies got when they decided. Here are only what the actuator knows on
 top: a standby already joining another migration is taken, an operator may name the
 one to use, and the fastest to warm up goes first.
@@ -46,14 +47,15 @@ def choose(
     members = set(job.members.values()) if job is not None else set()
     if job is None or not members:
         return Choice([], f"job {decision.job} has not reported its status")
-    if any(f.job == decision.job and f.leaver == decision.node for f in flights):
+    migrations = [f for f in flights if not f.is_restart]  # a restart's guardrail says why
+    if any(f.job == decision.job and f.leaver == decision.node for f in migrations):
         return Choice([], "it is already being migrated")
     if decision.node not in members:
         by = replaced.get((decision.job, decision.node))
         if by:
             return Choice([], f"already replaced by {by}")
         return Choice([], f"{decision.node} is not a member of job {decision.job}")
-    taken = {f.joiner for f in flights}
+    taken = {f.joiner for f in migrations}
     candidates = [s for s in ranked(view, decision.job, decision.node) if s not in taken]
     if decision.to is not None:
         if decision.to not in candidates:

@@ -9,7 +9,7 @@ import pytest
 
 from tmd import wire
 from tmd.config import ActuatorConfig
-from tmd.daemon.actuator.flight import Flight, Next, PhaseMachine, outcome_record
+from tmd.daemon.actuator.flight import Flight, Next, PhaseMachine, machine_slots, outcome_record
 from tmd.daemon.actuator.membership import Membership, moved
 from tmd.daemon.view import JobView
 
@@ -101,8 +101,8 @@ def test_a_machine_the_runtime_replaced_is_found_once_and_ours_are_not() -> None
     before = Membership(generation=1, step=10, ts=T0, members={0: "a", 1: "a", 2: "b", 3: "c"})
     after = Membership(generation=2, step=11, ts=T0, members={0: "x", 1: "x", 2: "y", 3: "c"})
     assert moved("j", before, after, switched_to=set(), replaced={}) == [
-        (0, "a", "x"),
-        (2, "b", "y"),
+        ((0, 1), "a", "x"),
+        ((2,), "b", "y"),
     ]
     assert moved("j", before, after, switched_to={"y"}, replaced={("j", "a"): "x"}) == []
     assert moved("j", after, after, switched_to=set(), replaced={}) == []
@@ -185,3 +185,123 @@ def test_a_refusers_answer_to_the_abort_can_be_the_last_one() -> None:
     f = flight(aborted=["w0", "w2"])
     MACHINE.set_phase(f, "aborting", T0)
     assert MACHINE.on_ack(f, ack("failed", "w1"), T0 + 1) == Next("aborted", "")
+
+
+# -- machines of several processes (issue 11) --------------------------------------------
+
+
+def machines_flight(phase: str = "preparing") -> Flight:
+    """Three machines of two processes each; w2 leaves for the two-slot standby s0."""
+    return Flight(
+        id="m1", job="j", leaver="w2", joiner="s0", policy="drain", reason="r",
+        phase=phase, generation=3, members=frozenset({"w0", "w1", "w2"}),  # type: ignore[arg-type]
+        deadline=T0 + 30, next_send=T0 + 5, slots={"w0": 2, "w1": 2, "w2": 2, "s0": 2},
+    )  # fmt: skip
+
+
+def process(kind: str, node: str, local: int, total_s: float | None = None) -> wire.Ack:
+    downtime = wire.Downtime(total_s=total_s) if total_s is not None else None
+    return wire.Ack(
+        ts=T0, job="j", migration_id="m1", kind=kind, node=node, local_rank=local,  # type: ignore[arg-type]
+        downtime=downtime,
+    )  # fmt: skip
+
+
+def test_a_machine_is_prepared_once_every_one_of_its_processes_is() -> None:
+    f = machines_flight()
+    for node in ("w0", "w1"):
+        for local in (0, 1):
+            assert MACHINE.on_ack(f, process("prepared", node, local), T0) == Next("none")
+    assert MACHINE.on_ack(f, process("prepared", "w2", 0), T0) == Next("none")
+    assert MACHINE.on_ack(f, process("prepared", "w2", 0), T0) == Next("none")  # a repeat
+    assert f.acked("prepared") == {"w0", "w1"}
+    assert MACHINE.on_tick(f, T0 + 30, None) == Next(
+        "abort", "timed out waiting for prepared from w2 (1 of 2)"
+    )
+    assert MACHINE.on_ack(f, process("prepared", "w2", 1), T0) == Next("switch")
+
+
+def test_a_switch_with_one_of_the_joiners_two_processes_is_not_done() -> None:
+    f = machines_flight("switching")
+    for node in ("w0", "w1"):
+        for local in (0, 1):
+            MACHINE.on_ack(f, process("switched", node, local, 0.1), T0)
+    assert MACHINE.on_ack(f, process("switched", "s0", 0, 0.2), T0) == Next("none")
+    assert MACHINE.on_tick(f, T0 + 30, None) == Next(
+        "abort", "timed out waiting for switched from s0 (1 of 2)"
+    )
+    assert MACHINE.on_ack(f, process("switched", "s0", 1, 0.3), T0) == Next("done")
+
+
+def test_an_abort_ends_when_every_process_of_every_member_confirmed() -> None:
+    f = machines_flight()
+    MACHINE.set_phase(f, "aborting", T0)
+    for node in ("w0", "w1"):
+        for local in (0, 1):
+            MACHINE.on_ack(f, process("aborted", node, local), T0)
+    assert MACHINE.on_ack(f, process("aborted", "w2", 0), T0) == Next("none")
+    # One process refused the prepare (it counts as out), its sibling aborted.
+    assert MACHINE.on_ack(f, process("failed", "w2", 1), T0) == Next("aborted", "")
+
+
+def test_one_process_that_fails_or_aborts_speaks_for_the_migration() -> None:
+    f = machines_flight()
+    assert MACHINE.on_ack(f, process("failed", "w1", 1), T0) == Next("abort", "w1 failed: ")
+    g = machines_flight("switching")
+    assert MACHINE.on_ack(g, process("aborted", "s0", 1), T0) == Next("none")
+    assert g.phase == "aborting"
+
+
+def test_the_downtime_is_the_worst_of_every_process_but_the_leavers() -> None:
+    f = machines_flight("switching")
+    for node, local, total in [
+        ("w0", 0, 0.2),
+        ("w0", 1, 0.5),
+        ("w1", 0, 0.1),
+        ("w1", 1, 0.1),
+        ("s0", 0, 0.3),
+        ("s0", 1, 0.4),
+        ("w2", 0, 9.0),
+        ("w2", 1, 9.0),
+    ]:
+        f.keep(process("switched", node, local, total))  # fmt: skip
+    record, downtime = outcome_record(f, "done")
+    assert downtime == 0.5 and record["downtime_median_s"] == 0.25
+
+
+def test_each_machines_processes_come_from_its_ranks_and_the_joiner_takes_the_leavers() -> None:
+    machines = {"w0": [0, 1], "w1": [2, 3], "w2": [4]}
+    assert machine_slots(machines, "w1", "s0") == {"w0": 2, "w1": 2, "s0": 2}
+    assert machine_slots(machines, "w2", "s0") == {"w0": 2, "w1": 2}  # one: the default
+    assert machine_slots({"w0": [0], "s0": [1, 2]}, "w9", "s0") == {"s0": 2, "w9": 2}  # switched
+
+
+def restart_flight() -> Flight:
+    return Flight(
+        id="r1", job="j", leaver="w2", joiner="", policy="failover", reason="GpuFault on w2",
+        phase="restarting", generation=3, members=frozenset({"w0", "w1", "w2"}),
+        deadline=T0 + 20, next_send=T0 + 5, slots={"w2": 2},
+    )  # fmt: skip
+
+
+def test_a_restart_is_done_on_any_processs_answer_or_the_jobs_status() -> None:
+    f = restart_flight()
+    assert MACHINE.command(f, T0) == wire.Restart(
+        ts=T0, job="j", migration_id="r1", node="w2", reason="GpuFault on w2"
+    )
+    answer = wire.Ack(ts=T0, job="j", migration_id="r1", kind="restarting", node="w0", rank=0,
+                      local_rank=0)  # fmt: skip
+    assert MACHINE.on_ack(restart_flight(), answer, T0) == Next(
+        "done", "w0 rank 0 answered restarting"
+    )
+    assert MACHINE.on_status(f, 3, {"w0", "w1", "w2"}) == Next("none")
+    assert MACHINE.on_status(f, 3, {"w0", "w1", "w2"}, state="restarting") == Next(
+        "done", "the job's status says restarting"
+    )
+    assert MACHINE.on_status(f, 4, {"w0", "w1", "s9"}) == Next("aborted", "w2 left the job")
+    assert MACHINE.on_tick(f, T0 + 5, None) == Next("resend")
+    assert MACHINE.on_tick(f, T0 + 20, None) == Next(
+        "failed", "no answer to the restart within 20 s"
+    )
+    refused = wire.Ack(ts=T0, job="j", migration_id="r1", kind="failed", node="w1", detail="io")
+    assert MACHINE.on_ack(restart_flight(), refused, T0) == Next("failed", "w1 failed: io")
