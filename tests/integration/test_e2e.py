@@ -253,7 +253,7 @@ def alert(node: str, job: str, fingerprint: str = "f1") -> dict[str, Any]:
         "alerts": [{
             "status": "firing", "fingerprint": fingerprint,
             "startsAt": "2026-11-30T05:00:00Z",
-            "labels": {"alertname": "GpuXidFatal", "node": node, "job": job},
+            "labels": {"alertname": "GpuXidFatal", "node": node, "tmd_job": job},
         }],
     }  # fmt: skip
 

@@ -13,7 +13,7 @@ from tmd.config import ActuatorConfig, GuardrailsConfig
 from tmd.daemon import events
 from tmd.daemon.actuator import Actuator
 from tmd.daemon.journal import Journal
-from tmd.daemon.plugins import Context
+from tmd.daemon.plugins import Context, configure
 from tmd.daemon.view import ClusterView
 from tmd.errors import ConfigError
 from tmd.policies.alert import AlertConfig, AlertPolicy
@@ -62,7 +62,7 @@ def test_failover_migrates_every_job_on_the_node_once() -> None:
     fault = events.GpuFault(ts=T0, node="n2", gpu=1, cause="xid 79")
     out = list(p.observe(fault, T0))
     assert decided(out) == [("Migrate", "a", "n2"), ("Migrate", "b", "n2")]
-    assert out[0].reason == "GpuFault on n2: xid 79"  # type: ignore[attr-defined]
+    assert out[0].reason == "GpuFault on n2 GPU 1: xid 79"  # type: ignore[attr-defined]
     assert list(p.observe(events.NodeLost(ts=T0, node="n2", cause="heartbeat"), T0)) == []
     done = events.MigrationFinished(
         ts=T0, migration_id="m", job="a", node="n2", to="s0", outcome="done", downtime_s=0.3
@@ -177,15 +177,138 @@ def test_alert_is_acted_on_once_per_fingerprint_and_start() -> None:
     assert decided(p.observe(alert({"node": "n0:9100"}), T0)) == [("Migrate", "a", "n0")]
     assert list(p.observe(alert({"node": "n0:9100"}), T0)) == []  # Alertmanager resends
     assert list(p.observe(alert({"node": "n0"}, status="resolved", fp="f2"), T0)) == []
-    assert decided(p.observe(alert({"node": "n2", "job": "b"}, fp="f3"), T0)) == [
+    assert decided(p.observe(alert({"node": "n2", "tmd_job": "b"}, fp="f3"), T0)) == [
         ("Migrate", "b", "n2")
     ]
-    assert decided(p.observe(alert({"instance": "x"}, fp="f4"), T0)) == [("Hold", "", "")]
+    out = list(p.observe(alert({"severity": "critical"}, fp="f4"), T0))
+    assert decided(out) == [("Hold", "", "")]
+    assert "none of the labels 'node', 'Hostname', 'instance'" in out[0].reason  # type: ignore[attr-defined]
 
 
 def test_alert_names_filter() -> None:
     p = AlertPolicy(AlertConfig(alertnames=["GpuXid"]), context=ctx(view()))
     assert list(p.observe(alert({"node": "n0"}, name="DiskFull"), T0)) == []
+
+
+def test_a_dcgm_exporter_alert_moves_the_job_on_its_host() -> None:
+    """What DCGM-exporter's alerts carry: the host in ``Hostname`` and ``instance``, and
+    Prometheus's scrape job in ``job``, which names no training job."""
+    p = AlertPolicy(AlertConfig(), context=ctx(view()))
+    labels = {
+        "alertname": "GpuXid", "instance": "n0:9400", "Hostname": "n0",
+        "job": "dcgm-exporter", "gpu": "3", "UUID": "GPU-0a1b", "modelName": "H100",
+    }  # fmt: skip
+    out = list(p.observe(alert(labels), T0))
+    assert decided(out) == [("Migrate", "a", "n0")]
+    assert "dcgm-exporter" not in out[0].reason  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ({"node": "n0", "Hostname": "n3", "instance": "n3:9400"}, [("Migrate", "a", "n0")]),
+        ({"Hostname": "n3", "instance": "n0:9400"}, [("Migrate", "b", "n3")]),
+        ({"instance": "n3:9400"}, [("Migrate", "b", "n3")]),  # port stripped
+        ({"node": "", "Hostname": "", "instance": "n3:9400"}, [("Migrate", "b", "n3")]),
+        ({"instance": "10.0.0.7:9400"}, [("Hold", "", "10.0.0.7")]),  # runs no job
+    ],
+)
+def test_the_first_node_label_present_names_the_machine(
+    labels: dict[str, str], expected: list[tuple[str, str, str]]
+) -> None:
+    p = AlertPolicy(AlertConfig(), context=ctx(view()))
+    assert decided(p.observe(alert(labels), T0)) == expected
+
+
+def test_without_strip_port_the_instance_is_the_node_name() -> None:
+    p = AlertPolicy(AlertConfig(strip_port=False), context=ctx(view()))
+    out = list(p.observe(alert({"instance": "n3:9400"}), T0))
+    assert decided(out) == [("Hold", "", "n3:9400")]
+    assert "no job runs on n3:9400" in out[0].reason  # type: ignore[attr-defined]
+
+
+def test_prometheus_job_label_never_names_the_training_job() -> None:
+    p = AlertPolicy(AlertConfig(), context=ctx(view()))
+    # The old default read `job`: this moved job b only, or restarted "dcgm-exporter".
+    assert decided(p.observe(alert({"node": "n2", "job": "b"}, fp="f1"), T0)) == [
+        ("Migrate", "a", "n2"),
+        ("Migrate", "b", "n2"),
+    ]
+    assert decided(p.observe(alert({"node": "n0", "job": "dcgm-exporter"}, fp="f2"), T0)) == [
+        ("Migrate", "a", "n0")
+    ]
+    assert decided(p.observe(alert({"node": "n2", "tmd_job": "b"}, fp="f3"), T0)) == [
+        ("Migrate", "b", "n2")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected", "why"),
+    [
+        ({"node": "n0", "tmd_job": "zeta"}, ("Hold", "zeta", "n0"), "not known to this daemon"),
+        ({"node": "n0", "tmd_job": "b"}, ("Hold", "b", "n0"), "does not run on n0"),
+        ({"node": "n0", "tmd_job": "a/b"}, ("Hold", "", "n0"), "not known to this daemon"),
+    ],
+)
+def test_an_alert_never_decides_for_a_job_the_daemon_does_not_hold_there(
+    labels: dict[str, str], expected: tuple[str, str, str], why: str
+) -> None:
+    p = AlertPolicy(AlertConfig(), context=ctx(view()))
+    out = list(p.observe(alert(labels), T0))
+    assert decided(out) == [expected]
+    reason = out[0].reason  # type: ignore[attr-defined]
+    assert why in reason and repr(labels["tmd_job"]) in reason and "n0" in reason
+
+
+def test_prometheus_job_label_is_refused_as_the_job_label() -> None:
+    with pytest.raises(ConfigError) as caught:
+        AlertConfig(job_label="job").validate()
+    assert caught.value.key == "policies.alert.job_label"
+    assert "scrape job" in caught.value.why
+    # As the daemon reads a config file's table.
+    with pytest.raises(ConfigError) as caught:
+        configure("policies", {"alert": {"job_label": "job"}}, {"alert": AlertPolicy})
+    assert caught.value.key == "policies.alert.job_label"
+    with pytest.raises(ConfigError) as caught:
+        AlertConfig(node_labels=[]).validate()
+    assert caught.value.key == "policies.alert.node_labels"
+
+
+def test_the_legacy_node_label_replaces_the_list() -> None:
+    [spec] = configure("policies", {"alert": {"node_label": "host"}}, {"alert": AlertPolicy})
+    assert spec.config.node_keys() == ["host"]
+    p = AlertPolicy(spec.config, context=ctx(view()))
+    labels = {"host": "n3:9100", "node": "n0", "instance": "n0:9400"}
+    assert decided(p.observe(alert(labels, fp="f1"), T0)) == [("Migrate", "b", "n3")]
+    assert decided(p.observe(alert({"node": "n0"}, fp="f2"), T0)) == [("Hold", "", "")]
+
+
+@pytest.mark.parametrize(
+    "instance", ["[fe80::1]:9400", "[fe80::1]", "fe80::1", "[2001:db8::7]:9400"]
+)
+def test_an_ipv6_instance_names_its_host(instance: str) -> None:
+    host = instance.partition("]")[0].lstrip("[")
+    v = view()
+    v.apply_job_status(
+        wire.JobStatus(
+            ts=T0, job="v6", generation=0, world_size=2,
+            members=[wire.Member(0, host), wire.Member(1, "n9")],
+            standbys=[wire.StandbyInfo(node="s0", state="ready")],
+        ),
+        T0,
+    )  # fmt: skip
+    p = AlertPolicy(AlertConfig(), context=ctx(v))
+    assert decided(p.observe(alert({"instance": instance}), T0)) == [("Migrate", "v6", host)]
+
+
+@pytest.mark.parametrize("instance", ["gpu node/7:9400", "x" * 200, ":9400", "[fe80::1%eth0]:9400"])
+def test_a_label_that_is_no_node_name_is_held(instance: str) -> None:
+    p = AlertPolicy(AlertConfig(), context=ctx(view()))
+    out = list(p.observe(alert({"instance": instance}), T0))
+    assert decided(out) == [("Hold", "", "")]
+    reason = out[0].reason  # type: ignore[attr-defined]
+    assert "label instance=" in reason and "not a valid node name" in reason
+    assert len(reason) < 300  # a 1 KiB label is not copied into the journal whole
 
 
 # -- rebalance --------------------------------------------------------------------------
