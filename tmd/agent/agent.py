@@ -296,7 +296,9 @@ class _XidWatcher:
 
 
 def node_name(config: config_mod.AgentConfig) -> str:
-    name = config.node or socket.gethostname()
+    """The machine's name: ``agent.node``, else the name every rank on this machine
+    takes by default too (``TMD_NODE``; ``tmd.wire.default_node_name``)."""
+    name = config.node or wire.default_node_name()
     try:
         msgspec.convert(name, wire.Name)
     except msgspec.ValidationError:

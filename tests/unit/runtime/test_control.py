@@ -143,3 +143,11 @@ def test_a_late_status_does_not_undo_a_newer_one(store) -> None:  # type: ignore
     assert stored().state == "stopped"
     assert put_status(store, status(1, 0, 0.5, "running")) is not None  # a new generation
     assert stored().generation == 1
+
+
+def test_the_agent_and_the_runtime_name_a_machine_alike() -> None:
+    from tmd.agent.agent import node_name
+    from tmd.config import AgentConfig
+
+    env = RuntimeEnv.from_environ({"WORLD_SIZE": "1", "TMD_STORE": "h:1"})
+    assert node_name(AgentConfig()) == env.node == wire.default_node_name()
