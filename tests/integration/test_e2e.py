@@ -4,7 +4,10 @@ three-rank gloo job with one standby, over real MQTT and HTTP.
 (a) a slow machine is found and rebalanced at the next tick; (b) a killed rank fails
 over; (c) an Alertmanager webhook triggers a failover; (d) dry-run migrates nothing;
 (e) the daemon SIGKILLed mid-migration and restarted finishes that migration exactly
-once. Every job ends with the parameters of an unmigrated reference run.
+once; and on machines of two ranks each, (f) ``tmd agent`` on the fake NVML of
+machine ``worker1`` reports a fatal XID on GPU 1 and the whole machine moves, (g) a
+DCGM-exporter alert (``instance``, ``Hostname``, ``job="dcgm-exporter"``) moves the
+machine it names. Every job ends with the parameters of an unmigrated reference run.
 """
 
 from __future__ import annotations
@@ -44,16 +47,26 @@ SLOW_S = 0.15  # what a straggler adds to each of its steps
 ARGS = ["--no-noise", "--sleep", str(STEP_S), "--shadow-steps", "2"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("reference")
+def _reference(out: Path, nproc: int) -> Path:
     job = LocalJob([sys.executable, SCRIPT, "--steps", str(STEPS), "--out", str(out),
-                    "--no-noise", "--sleep", "0"], nproc=NPROC, standby=0)  # fmt: skip
+                    "--no-noise", "--sleep", "0"], nproc=nproc, standby=0)  # fmt: skip
     try:
         assert set(job.wait(JOB_TIMEOUT).values()) == {0}
     finally:
         job.terminate()
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(tmp_path_factory.mktemp("reference"), NPROC)
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four ranks: what two machines of two ranks compute (a rank's numbers depend on
+    its rank and the world size, not on the machine it runs on)."""
+    return _reference(tmp_path_factory.mktemp("reference4"), 4)
 
 
 class Daemon:
@@ -151,6 +164,7 @@ class Stack:
         self.tmp, self.broker, self.name = tmp, broker, job
         self.daemon: Daemon | None = None
         self.job: LocalJob | None = None
+        self.nproc = NPROC
         self.out = tmp / "out"
         self.out.mkdir()
 
@@ -158,11 +172,15 @@ class Stack:
         self.daemon = Daemon(self.tmp, self.broker, **sections)
         return self.daemon
 
-    def start_job(self, *extra: str, env: dict[str, str] | None = None) -> LocalJob:
+    def start_job(
+        self, *extra: str, env: dict[str, str] | None = None, nproc: int = NPROC,
+        per_node: int = 1,
+    ) -> LocalJob:  # fmt: skip
         cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--out", str(self.out), *ARGS,
                *extra]  # fmt: skip
+        self.nproc = nproc
         self.job = LocalJob(
-            cmd, nproc=NPROC, standby=1, job=self.name,
+            cmd, nproc=nproc, standby=1, nproc_per_node=per_node, job=self.name,
             broker=f"{self.broker.host}:{self.broker.port}", extra_env=env,
         )  # fmt: skip
         return self.job
@@ -183,7 +201,7 @@ class Stack:
         codes = self.job.wait(JOB_TIMEOUT)
         if self.daemon is not None:
             self.settle()
-        assert_same_as(self.out, reference, NPROC, losses_from=STEPS)
+        assert_same_as(self.out, reference, self.nproc, losses_from=STEPS)
         return codes
 
     def settle(self) -> None:
@@ -256,6 +274,63 @@ def alert(node: str, job: str, fingerprint: str = "f1") -> dict[str, Any]:
             "labels": {"alertname": "GpuXidFatal", "node": node, "tmd_job": job},
         }],
     }  # fmt: skip
+
+
+MACHINES = [("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)]
+"""The members once machine worker1 (ranks 2 and 3) moved to standby machine standby0."""
+
+
+def _machine_moved(stack: Stack, daemon: Daemon, reference: Path) -> dict[str, Any]:
+    """Machine worker1 moved to standby0 as a whole; the job ends as the reference."""
+    [done] = wait_for(lambda: finished(daemon), "the machine's migration to finish", 120)
+    assert (done["node"], done["to"], done["outcome"]) == ("worker1", "standby0", "done"), done
+    assert_plausible_downtime(done, step_s=STEP_S, upper_s=20 * STEP_S)
+    codes = stack.finish(reference)
+    assert set(codes.values()) == {0}, codes
+    assert stack.job is not None
+    status = stack.job.status()
+    assert status is not None and status.generation == 1
+    assert [(m.node, m.local_rank) for m in status.members] == MACHINES
+    return done
+
+
+def test_the_agent_reports_a_fatal_xid_and_its_machine_moves_as_one(
+    stack: Stack, reference4: Path
+) -> None:
+    daemon = stack.start_daemon()
+    trigger = stack.tmp / "xid"
+    agent = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("e2e_agent.py")), "--broker",
+         f"{stack.broker.host}:{stack.broker.port}", "--node", "worker1", "--trigger",
+         str(trigger), "--gpu", "1", "--xid", "79"],
+    )  # fmt: skip
+    try:
+        stack.start_job(nproc=4, per_node=2)
+        stack.standby_ready()
+        trigger.touch()  # GPU 1 of machine worker1 falls off the bus
+        _machine_moved(stack, daemon, reference4)
+    finally:
+        agent.terminate()
+        agent.wait(10)
+    [fault] = [e["body"] for e in daemon.events("GpuFault")]
+    assert (fault["node"], fault["gpu"]) == ("worker1", 1)
+    [migrate] = [e["body"] for e in daemon.events("Migrate", job=stack.name)]
+    assert migrate["policy"] == "failover" and "worker1 GPU 1" in migrate["reason"]
+
+
+def test_a_dcgm_exporter_alert_moves_the_machine_it_names(stack: Stack, reference4: Path) -> None:
+    daemon = stack.start_daemon()
+    stack.start_job(nproc=4, per_node=2)
+    stack.standby_ready()
+    labels = {"alertname": "DCGM_FI_DEV_XID_ERRORS", "instance": "worker1:9400",
+              "Hostname": "worker1", "job": "dcgm-exporter", "gpu": "1"}  # fmt: skip
+    body = alert("", "")
+    body["alerts"][0]["labels"] = labels
+    assert daemon.post("/api/v1/alerts", body) == 202
+    _machine_moved(stack, daemon, reference4)
+    [migrate] = [e["body"] for e in daemon.events("Migrate", job=stack.name)]
+    assert migrate["policy"] == "alert" and migrate["job"] == stack.name
+    assert daemon.events("CheckpointRestart") == []
 
 
 def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Path) -> None:

@@ -1,10 +1,12 @@
 """What ``tmd bench downtime`` computes from the step records its runs leave.
 
-Every process of a run writes one JSON record; its ``steps`` rows are ``[rank, step,
-loss, end, step_s, rss_bytes, compute_s, allreduce_s, optimizer_s]``, where ``end`` is
-the wall time at which the step's optimizer update ended, before the step boundary
-(where a switch runs). These functions read those rows: downtimes, medians,
-step-time noise, ratios, slowdowns and loss matches.
+Every process of a run writes one JSON record (``{node}-{local_rank}.json``: a
+machine runs several); its ``steps`` rows are ``[rank, step, loss, end, step_s,
+rss_bytes, compute_s, allreduce_s, optimizer_s]``, where ``end`` is the wall time at
+which the step's optimizer update ended, before the step boundary (where a switch
+runs). A process that kills itself leaves ``killed-{rank}.json`` instead. These
+functions read those rows: downtimes, medians, step-time noise, ratios, slowdowns,
+loss matches, and whether a machine's migration holds its targets.
 
 Downtime, as a user would time it: from the end of the last update before the
 replacement (latest rank) to the end of the first step after it (latest rank),
@@ -18,12 +20,30 @@ import json
 import os
 import statistics
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
+
+TARGET_RATIO = 30.0
+"""A machine's checkpoint-restart over its live migration (``ratio_*_vs_noise``), at least."""
+TARGET_FAILOVER_S = 2.0
+"""A lost machine's failover downtime, at most."""
+TARGET_RSS_OVERHEAD = 0.02
+"""The stayers' memory growth across a machine's migration, at most."""
 
 
 def records(out: Path) -> list[dict[str, Any]]:
     """The record of every process of the run kept in ``out``."""
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem != "killed"]
+    return [
+        json.loads(p.read_text())
+        for p in sorted(out.glob("*.json"))
+        if not p.stem.startswith("killed")
+    ]
+
+
+def killed_at(out: Path) -> float:
+    """When the first process of the run kept in ``out`` killed itself (each writes
+    ``killed-{rank}.json`` just before)."""
+    return min(json.loads(p.read_text())["t_kill"] for p in out.glob("killed*.json"))
 
 
 def step_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
@@ -151,6 +171,34 @@ def loss_match(got: dict[tuple[int, int], float], reference: dict[Any, list[Any]
     return set(got) == set(reference) and all(
         abs(got[k] - reference[k][2]) <= 1e-6 for k in reference
     )
+
+
+def machine_shortfalls(m: Mapping[str, Any]) -> list[str]:
+    """Why a machine's result misses its targets (none: it holds): a live migration
+    longer than one median step, checkpoint-restart less than ``TARGET_RATIO`` times
+    as long (or not measurable), a failover over ``TARGET_FAILOVER_S``, any method
+    that did not train exactly the reference job, or stayers whose memory grew by more
+    than ``TARGET_RSS_OVERHEAD``. A downtime is the worse of the step records' and the
+    runtime's measure (``worst``)."""
+    out = []
+    live, median = worst(m), m["median_step_s"]
+    if live > median:
+        out.append(f"live downtime {live:.3f} s > one median step {median:.3f} s")
+    r = m["ratio_checkpoint_restart_vs_noise"]
+    if r is None:
+        out.append("checkpoint-restart ratio not measurable (step noise unknown)")
+    elif r < TARGET_RATIO:
+        out.append(f"checkpoint-restart ratio {r:.1f} < {TARGET_RATIO:g}")
+    failover = max(m["failover_downtime_s"], m["failover"].get("runtime_downtime_s") or 0.0)
+    if failover > TARGET_FAILOVER_S:
+        out.append(f"failover downtime {failover:.3f} s > {TARGET_FAILOVER_S:g} s")
+    for key in ("loss_match", "loss_match_checkpoint_restart", "loss_match_failover"):
+        if not m[key]:
+            out.append(f"{key} false: not the reference job's training")
+    rss = m["stayer_rss_overhead"]
+    if rss > TARGET_RSS_OVERHEAD:
+        out.append(f"stayer RSS overhead {rss:.3f} > {TARGET_RSS_OVERHEAD:g}")
+    return out
 
 
 class Load:
