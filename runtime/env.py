@@ -1,6 +1,8 @@
 """The environment contract between a launcher and the training processes.
 
-``tmd launch`` sets these variables; on a cluster, set them from torchrun or srun.
+``tmd launch`` and torchrun set these variables. Under ``srun`` without them,
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are read from
+``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` and ``SLURM_NTASKS_PER_NODE``.
 
 =====================  =========================================================
 ``TMD_ROLE``           ``worker`` (default) or ``standby``
@@ -35,7 +37,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
+
+import msgspec
 
 from tmd import wire
 from tmd.errors import ConfigError
@@ -70,6 +74,7 @@ class RuntimeEnv:
         role = env.get("TMD_ROLE", "worker")
         if role not in ("worker", "standby"):
             raise ConfigError("TMD_ROLE", f"must be worker or standby, got {role!r}")
+        env = _with_slurm(env)
         try:
             world_size = int(env["WORLD_SIZE"])
             rank = int(env.get("RANK", "0"))
@@ -87,6 +92,12 @@ class RuntimeEnv:
                     "MASTER_ADDR", "set MASTER_ADDR/MASTER_PORT or TMD_STORE"
                 ) from None
         node = env.get("TMD_NODE") or wire.default_node_name()
+        try:
+            msgspec.convert(node, wire.Name)
+        except msgspec.ValidationError:
+            raise ConfigError(
+                "TMD_NODE", f"{node!r} is not a machine name (letters, digits, _.:@-)"
+            ) from None
         local_rank = _count(env, "LOCAL_RANK", 0)
         local_world_size = _count(env, "LOCAL_WORLD_SIZE", local_rank + 1)
         if not 0 <= local_rank < local_world_size <= wire.MAX_GPUS_PER_NODE:
@@ -114,6 +125,24 @@ class RuntimeEnv:
             local_rank=local_rank,
             local_world_size=local_world_size,
         )
+
+
+SLURM: Final = {
+    "RANK": "SLURM_PROCID",
+    "WORLD_SIZE": "SLURM_NTASKS",
+    "LOCAL_RANK": "SLURM_LOCALID",
+    "LOCAL_WORLD_SIZE": "SLURM_NTASKS_PER_NODE",
+}
+"""What ``srun`` sets for each variable torchrun sets; the torchrun name wins."""
+
+
+def _with_slurm(env: Mapping[str, str]) -> Mapping[str, str]:
+    missing = {
+        ours: env[theirs]
+        for ours, theirs in SLURM.items()
+        if ours not in env and env.get(theirs, "").isdigit()
+    }
+    return {**env, **missing} if missing else env
 
 
 def slot_name(node: str, local_rank: int) -> str:

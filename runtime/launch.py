@@ -330,6 +330,23 @@ class LocalJob:
                 proc.wait()
 
 
+def serve_store(argv: list[str]) -> int:
+    """``tmd store``: serve a job's TCPStore until stopped, for launchers that do not
+    host one (torchrun, srun): point every process's ``TMD_STORE`` at it. It must
+    outlive every worker (a leaver may otherwise take the store with it) and be fresh
+    for every start of the job: start it with the job, stop it when the job ends."""
+    parser = argparse.ArgumentParser(prog="tmd store", description=serve_store.__doc__)
+    parser.add_argument("--port", type=int, default=29400, help="port (0: any free one)")
+    ns = parser.parse_args(argv)
+    server = TCPStore("0.0.0.0", ns.port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=60))  # fmt: skip
+    print(f"tmd store: serving on port {server.port}", file=sys.stderr, flush=True)
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    signal.sigwait(stop)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tmd launch", description=__doc__)
     parser.add_argument("--nproc", type=int, required=True, help="workers (the world size)")

@@ -65,11 +65,18 @@ def _launch(argv: list[str]) -> int:
     return int(launch.main(argv))
 
 
+def _store(argv: list[str]) -> int:
+    from tmd.runtime import launch
+
+    return launch.serve_store(argv)
+
+
 _OWN_PARSERS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
     ("bench", "ingest"): _bench_ingest,
     ("bench", "detect"): _bench_detect,
     ("bench", "downtime"): _bench_downtime,
     ("launch",): _launch,
+    ("store",): _store,
 }
 
 
@@ -88,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the version")
     sub.add_parser("bench", help="benchmarks: `tmd bench ingest|downtime --help`")
     sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
+    sub.add_parser("store", help="serve a job's TCPStore for torchrun/srun: `tmd store --help`")
     return p
 
 

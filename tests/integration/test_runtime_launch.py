@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -88,3 +89,21 @@ def test_a_leaver_finishing_its_epilogue_is_not_killed_like_an_idle_standby(
         job.terminate()
 
     assert codes == {"worker0": 0, "worker1": 0, "standby0": 0, "standby1": -signal.SIGKILL}
+
+
+def test_tmd_store_serves_a_job_s_store_until_stopped() -> None:
+    from torch._C._distributed_c10d import TCPStore
+
+    proc = subprocess.Popen([sys.executable, "-m", "tmd.cli", "store", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        port = int(line.rsplit(" ", 1)[1])
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("tmd/status", "x")
+        assert bytes(client.get("tmd/status")) == b"x"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()

@@ -151,3 +151,14 @@ def test_the_agent_and_the_runtime_name_a_machine_alike() -> None:
 
     env = RuntimeEnv.from_environ({"WORLD_SIZE": "1", "TMD_STORE": "h:1"})
     assert node_name(AgentConfig()) == env.node == wire.default_node_name()
+
+
+def test_srun_s_variables_stand_in_for_torchrun_s() -> None:
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+             "SLURM_NTASKS_PER_NODE": "4", "TMD_STORE": "h:1", "TMD_NODE": "gpu-07"}  # fmt: skip
+    env = RuntimeEnv.from_environ(slurm)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    env = RuntimeEnv.from_environ({**slurm, "RANK": "2", "LOCAL_RANK": "2"})  # torchrun's win
+    assert (env.rank, env.local_rank) == (2, 2)
+    with pytest.raises(ConfigError, match="TMD_NODE"):
+        RuntimeEnv.from_environ({**slurm, "TMD_NODE": "gpu 07"})
