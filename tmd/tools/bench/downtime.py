@@ -20,6 +20,15 @@ switch, transfer or restart runs inside that window (``tmd.tools.bench.measure``
 Ratios divide by the larger of the downtime and the step noise of the unmigrated
 run, so a downtime lost in the noise cannot inflate them. Prints one JSON object.
 
+Those runs use machines of one process. With ``--nproc-per-node K`` (K > 1) the
+object also holds ``machine``: the same job on machines of K ranks (its own
+reference run at that layout), where ``live`` moves a whole machine (``worker1``,
+all K ranks) to a standby machine of K slots, ``checkpoint_restart`` restarts the
+job, and ``failover`` SIGKILLs all K processes of ``worker1`` mid-step with one
+standby machine ready. Its ``shortfalls`` say which targets missed
+(``measure.machine_shortfalls``) and ``holds_target`` whether none did. With K = 1,
+``machine`` is null.
+
 The same module is the benchmark's training script (``python -m
 tmd.tools.bench.downtime worker ...``), so the job trained is exactly the one measured.
 """
@@ -107,7 +116,8 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", default="plain", choices=["plain", "cold", "save", "resume"])
     parser.add_argument("--at-step", type=int, default=0, help="save at / kill at this step")
-    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, action="append", default=[],
+                        help="kill these ranks (a machine: each of its ranks)")  # fmt: skip
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
@@ -145,7 +155,8 @@ def worker(argv: list[str]) -> int:
     t_built = time.time()
     cold = args.mode == "cold"
     config = SessionConfig(shadow_steps=0 if cold else 2, prepare_ahead=not cold)
-    record: dict[str, Any] = {"node": env.node, "role": env.role, "t_start": t_start,
+    record: dict[str, Any] = {"node": env.node, "local_rank": env.local_rank,
+                              "role": env.role, "t_start": t_start,
                               "t_imported": t_imported, "t_built": t_built,
                               "steps": []}  # fmt: skip
     with session(model, optimizer, stateful={"sampler": sampler}, config=config, env=env) as s:
@@ -163,8 +174,9 @@ def worker(argv: list[str]) -> int:
             loss.backward()  # type: ignore[no-untyped-call]
             if env.node == args.slow_node and s.role == "worker" and step >= args.slow_from:
                 time.sleep(args.slow_s)  # an injected straggler: a slow GPU, throttled clocks
-            if env.role == "worker" and env.rank == args.kill_rank and step == args.at_step:
-                (args.out / "killed.json").write_text(json.dumps({"t_kill": time.time()}))
+            if env.role == "worker" and env.rank in args.kill_rank and step == args.at_step:
+                kill = json.dumps({"t_kill": time.time()})
+                (args.out / f"killed-{env.rank}.json").write_text(kill)
                 os.kill(os.getpid(), 9)  # mid-step: gradients computed, not yet reduced
             shadow = s.is_shadow
             s.step()
@@ -197,20 +209,36 @@ def worker(argv: list[str]) -> int:
         if s.last_downtime is not None:
             record["downtime"] = msgspec.structs.asdict(s.last_downtime)
     record["t_exit"] = time.time()
-    (args.out / f"{env.node}.json").write_text(json.dumps(record))
+    # A machine's K processes share a node name; the local rank tells them apart.
+    (args.out / f"{env.node}-{env.local_rank}.json").write_text(json.dumps(record))
     return 0
 
 
 # -- orchestration ---------------------------------------------------------------------
 
 
-def _job(out: Path, args: argparse.Namespace, *, standby: int, mode: str, extra: list[str]) -> Any:
+def _job(
+    out: Path, args: argparse.Namespace, *, per_node: int, standby: int, mode: str,
+    extra: list[str],
+) -> Any:  # fmt: skip
+    """The job on machines of ``per_node`` ranks, with ``standby`` standby machines."""
     from tmd.runtime.launch import LocalJob
 
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tmd.tools.bench.downtime", "worker", "--steps", str(args.steps),
            "--out", str(out), "--mode", mode, "--layers", str(args.layers), *extra]  # fmt: skip
-    return LocalJob(cmd, nproc=args.nproc, standby=standby, job=JOB)
+    return LocalJob(cmd, nproc=args.nproc, standby=standby, nproc_per_node=per_node, job=JOB)
+
+
+def _process(node: str, local_rank: int | None, per_node: int) -> str:
+    from tmd.runtime.launch import process_name
+
+    return process_name(node, local_rank, per_node)
+
+
+def _leaver_ranks(per_node: int) -> set[int]:
+    """The ranks of ``worker1``, the machine every run replaces."""
+    return set(range(per_node, 2 * per_node))
 
 
 def _wait_step(job: Any, step: int, timeout: float = 600) -> None:
@@ -228,29 +256,33 @@ def _migration(
     reference_rows: dict[tuple[int, int], list[Any]],
     *,
     cold: bool,
+    per_node: int = 1,
 ) -> dict[str, Any]:
+    """``worker1`` (all its ranks) moved to ``standby0``, a standby machine as large."""
     from tmd.runtime import JobController
 
     mid = "m-cold" if cold else "m-live"
-    job = _job(out, args, standby=1, mode="cold" if cold else "plain", extra=[])
+    job = _job(out, args, per_node=per_node, standby=1, mode="cold" if cold else "plain",
+               extra=[])  # fmt: skip
     try:
         ctl = JobController(job.store, job=JOB)
         _wait_step(job, args.prepare_at)
         t_prepare = time.time()
         ctl.prepare(mid, leaver="worker1", joiner="standby0")
-        # A cold joiner has nothing prepared before the switch.
-        ctl.wait_acks(mid, "prepared", count=args.nproc + (0 if cold else 1))
+        # A cold joiner has nothing prepared before the switch; each process answers.
+        ctl.wait_acks(mid, "prepared", count=args.nproc + (0 if cold else per_node))
         # Held prepared for a while, as a daemon waiting for its rebalancing tick.
         _wait_step(job, args.switch_at)
         t_switch = time.time()
         ctl.switch(mid)  # at the first boundary every member agrees on
-        acks = ctl.wait_acks(mid, "switched", count=args.nproc + 1)
+        acks = ctl.wait_acks(mid, "switched", count=args.nproc + per_node)
         job.wait()
     finally:
         job.terminate()
     rows = measure.step_rows(measure.records(out))
     median = measure.median_step(rows, 2, args.prepare_at)
-    measured = {a.node: msgspec.structs.asdict(a.downtime) for a in acks if a.downtime}
+    measured = {_process(a.node, a.local_rank, per_node): msgspec.structs.asdict(a.downtime)
+                for a in acks if a.downtime}  # fmt: skip
     at = next(a for a in acks if a.node == "worker1").at_step  # steps done before the switch
     assert at is not None
     result: dict[str, Any] = {
@@ -265,7 +297,8 @@ def _migration(
     # Stayers' steps while prepared (phase 1) and while the joiner is fed in
     # lock-step (switch requested, not yet done), each against the same steps of
     # the unmigrated reference run, relative to the steps before the prepare.
-    stayers = [r for r in rows if r[0] != 1 and r[1] < at]
+    leaving = _leaver_ranks(per_node)
+    stayers = [r for r in rows if r[0] not in leaving and r[1] < at]
     before = [r for r in stayers if r[3] < t_prepare and r[1] >= 2]
     windows = {
         "prepare_slowdown": [r for r in stayers if t_prepare < r[3] <= t_switch],
@@ -276,18 +309,21 @@ def _migration(
             result[name] = measure.slowdown(before, during, reference_rows)
             result[name.replace("slowdown", "steps")] = sorted({r[1] for r in during})
     rss_before = max(r[5] for r in before)
-    rss_after = max(r[5] for r in rows if r[0] != 1 and r[3] > t_prepare)
+    rss_after = max(r[5] for r in rows if r[0] not in leaving and r[3] > t_prepare)
     result["stayer_rss_overhead"] = (rss_after - rss_before) / rss_before
     return result
 
 
-def _checkpoint_restart(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _checkpoint_restart(
+    out: Path, args: argparse.Namespace, *, per_node: int = 1
+) -> dict[str, Any]:
     at = args.switch_at
-    first = _job(out / "before", args, standby=0, mode="save", extra=["--at-step", str(at)])
+    first = _job(out / "before", args, per_node=per_node, standby=0, mode="save",
+                 extra=["--at-step", str(at)])  # fmt: skip
     try:
         first.wait()
         t_all_exited = time.time()
-        second = _job(out / "after", args, standby=0, mode="resume", extra=[])
+        second = _job(out / "after", args, per_node=per_node, standby=0, mode="resume", extra=[])
         second.wait()
     finally:
         first.terminate()
@@ -302,24 +338,26 @@ def _checkpoint_restart(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _failover(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _failover(out: Path, args: argparse.Namespace, *, per_node: int = 1) -> dict[str, Any]:
+    """Every process of ``worker1`` SIGKILLed mid-step, one standby machine ready."""
     at = args.switch_at
-    extra = ["--at-step", str(at), "--kill-rank", "1"]
-    job = _job(out, args, standby=1, mode="plain", extra=extra)
+    kill = [a for rank in sorted(_leaver_ranks(per_node)) for a in ("--kill-rank", str(rank))]
+    job = _job(out, args, per_node=per_node, standby=1, mode="plain",
+               extra=["--at-step", str(at), *kill])  # fmt: skip
     try:
         codes = job.wait()
     finally:
         job.terminate()
-    t_kill = json.loads((out / "killed.json").read_text())["t_kill"]
     records = measure.records(out)
     rows = measure.step_rows(records)
     median = measure.median_step(rows, 2, at)
     done = [r for r in rows if r[1] == at]
-    measured = {r["node"]: r["downtime"] for r in records if "downtime" in r}
+    measured = {_process(r["node"], r["local_rank"], per_node): r["downtime"]
+                for r in records if "downtime" in r}  # fmt: skip
     return {
-        # The survivors' steps; the killed rank's died with it.
+        # The survivors' steps; the killed ranks' died with them.
         "downtime_s": measure.downtime(rows, rows, at, median),
-        "kill_to_step_end_s": max(r[3] for r in done) - t_kill,
+        "kill_to_step_end_s": max(r[3] for r in done) - measure.killed_at(out),
         "median_step_s": median,
         "breakdown": measure.parts_of(measured),
         "runtime_downtime_s": max((d["total_s"] for d in measured.values()), default=None),
@@ -329,13 +367,61 @@ def _failover(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _reference(out: Path, args: argparse.Namespace) -> dict[tuple[int, int], list[Any]]:
-    job = _job(out, args, standby=0, mode="plain", extra=[])
+def _reference(
+    out: Path, args: argparse.Namespace, *, per_node: int = 1
+) -> dict[tuple[int, int], list[Any]]:
+    job = _job(out, args, per_node=per_node, standby=0, mode="plain", extra=[])
     try:
         job.wait()
     finally:
         job.terminate()
     return {(r[0], r[1]): r for r in measure.step_rows(measure.records(out))}
+
+
+def _machine(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    """The job on machines of ``--nproc-per-node`` ranks: ``worker1``'s all moved live,
+    the job checkpoint-restarted, and ``worker1`` lost whole, each measured as on
+    machines of one process, against a reference run at the same layout."""
+    k = args.nproc_per_node
+    progress.say(f"machines of {k} ranks: reference run")
+    reference = _reference(out / "reference", args, per_node=k)
+    progress.say(f"machines of {k} ranks: live migration of worker1")
+    live = _migration(out / "live", args, reference, cold=False, per_node=k)
+    progress.say(f"machines of {k} ranks: checkpoint-restart")
+    restart = _checkpoint_restart(out / "restart", args, per_node=k)
+    progress.say(f"machines of {k} ranks: failover (worker1's {k} processes killed mid-step)")
+    failover = _failover(out / "failover", args, per_node=k)
+    noise = measure.step_noise(list(reference.values()))
+    failover_losses = failover.pop("loss")
+    failover["ratio_checkpoint_restart_vs_noise"] = measure.ratio(
+        restart["downtime_s"], measure.worst(failover), noise
+    )
+    result: dict[str, Any] = {
+        "nproc_per_node": k,
+        "leaver": "worker1",
+        "joiner": "standby0",
+        "downtime_s": live["downtime_s"],
+        "runtime_downtime_s": live["runtime_downtime_s"],
+        "median_step_s": live["median_step_s"],
+        "switched_after_step": live["switched_after_step"],
+        "breakdown": live["breakdown"],
+        "step_noise_s": noise,
+        "ratio_checkpoint_restart_vs_noise": measure.ratio(
+            restart["downtime_s"], measure.worst(live), noise
+        ),
+        "failover_downtime_s": failover["downtime_s"],
+        "loss_match": measure.loss_match(measure.losses(out / "live"), reference),
+        "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
+        "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
+        "stayer_rss_overhead": live["stayer_rss_overhead"],
+        "prepare_slowdown": live.get("prepare_slowdown"),
+        "lockstep_slowdown": live.get("lockstep_slowdown"),
+        "checkpoint_restart": restart,
+        "failover": failover,
+    }
+    result["shortfalls"] = measure.machine_shortfalls(result)
+    result["holds_target"] = not result["shortfalls"]
+    return result
 
 
 def _telemetry_overhead(median_step_s: float, steps: int = 20_000) -> dict[str, float]:
@@ -376,9 +462,15 @@ def main(argv: list[str]) -> int:
                         help="request the switch at this step; also where the checkpoint-"
                         "restart saves and the failover kills")  # fmt: skip
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="also measure on machines of this many ranks ('machine'); "
+                        "--nproc must be a multiple, of at least two machines")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs' records here")
     args = parser.parse_args(argv)
+    k = args.nproc_per_node
+    if k < 1 or args.nproc % k or args.nproc // k < 2:
+        parser.error("--nproc must be a multiple of --nproc-per-node, of at least two machines")
     load = measure.Load()
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as tmp:
         out = args.out or Path(tmp)
@@ -393,7 +485,6 @@ def main(argv: list[str]) -> int:
         restart = _checkpoint_restart(out / "restart", args)
         progress.say("failover (a rank killed mid-step)")
         failover = _failover(out / "failover", args)
-        progress.say("done")
         failover_losses = failover.pop("loss")
         noise = measure.step_noise(list(reference.values()))
         for method in (live, cold, failover):
@@ -402,6 +493,7 @@ def main(argv: list[str]) -> int:
             )
         result: dict[str, Any] = {
             "nproc": args.nproc,
+            "nproc_per_node": k,
             "steps": args.steps,
             "live": live,
             "cold_standby": cold,
@@ -425,15 +517,15 @@ def main(argv: list[str]) -> int:
             "loss_match_cold_standby": measure.loss_match(measure.losses(out / "cold"), reference),
             "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
             # the killed rank's losses before the kill died with it
-            "loss_match_failover": all(
-                abs(v - reference[k][2]) <= 1e-6 for k, v in failover_losses.items()
-            ),
+            "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
             "failover": failover,
             "stayer_rss_overhead": live.get("stayer_rss_overhead"),
             "telemetry_overhead": _telemetry_overhead(live["median_step_s"]),
             "prepare_slowdown": live.get("prepare_slowdown"),
             "lockstep_slowdown": live.get("lockstep_slowdown"),
+            "machine": _machine(out / "machine", args, progress) if k > 1 else None,
         }
+        progress.say("done")
     result["host_load"] = load.as_dict()
     print(json.dumps(result, indent=None))
     return 0
