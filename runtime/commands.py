@@ -114,6 +114,8 @@ class Commands:
 
     def _restart(self, message: wire.Restart) -> None:
         s = self._session
+        if message.run is not None and message.run != s.env.restart_count:
+            return  # meant for another run of the job: a resend that outlived it
         if not self.first_seen(message.migration_id):
             if message.migration_id in self.outcomes:
                 self._answer_repeat(message.migration_id)
@@ -165,24 +167,30 @@ class Commands:
             ahead=cfg.prepare_ahead, eager_copy=cfg.eager_copy,
             joiner_timeout=cfg.joiner_timeout,
         )  # fmt: skip
+        if self.current.is_leaver:
+            self._check_joiner_size(self.current)
         s.publish_status("migrating")
 
     def _refusal(self, message: wire.Prepare) -> str:
         """Why this member refuses ``message`` ('' if it does not): the leaver must be a
-        machine of the job, the joiner a standby machine outside it with one slot per
-        rank of the leaver. Every member reads the same membership and registry, so
-        they all refuse alike."""
+        machine of the job and the joiner not. Every member holds the same membership,
+        so they all refuse alike."""
         nodes = self._session.membership.nodes
         if message.joiner in nodes or message.leaver not in nodes:
             return "leaver or joiner not valid"
-        ranks = len(self._session.membership.ranks_of(message.leaver))
-        found = [i for i in standbys(self._session.store) if i.node == message.joiner]
-        if found and found[0].slots != ranks:
-            return (
-                f"standby machine {message.joiner} has {found[0].slots} slots, "
-                f"the leaver {message.leaver} runs {ranks} ranks"
-            )
         return ""
+
+    def _check_joiner_size(self, mig: Migration) -> None:
+        """The leaving machine's processes only: a standby machine of another size than
+        the leaver cannot take its place; the abort vote stops the migration for all."""
+        ranks = len(mig.leaver_ranks)
+        joiner = mig.prepare.joiner
+        found = [i for i in standbys(self._session.store) if i.node == joiner]
+        if found and found[0].slots != ranks:
+            mig.abort_reason = (
+                f"standby machine {joiner} has {found[0].slots} slots, "
+                f"the leaver {mig.prepare.leaver} runs {ranks} ranks"
+            )
 
     # -- answers -----------------------------------------------------------------------
 

@@ -78,9 +78,8 @@ def read_from(store: Store, log: str, start: int) -> list[bytes]:
 def register_standby(store: Store, info: wire.StandbyInfo, *, local_rank: int = 0) -> None:
     """Record the state of one slot of a standby machine (``info.slots`` slots)."""
     slot = f"{info.node}/{local_rank}"
-    first = not store.check([standby_key(slot)])
     put(store, standby_key(slot), wire.encode(info))
-    if first:
+    if int(store.add(f"{standby_key(slot)}/n", 1)) == 1:  # listed once, however raced
         store.append(STANDBY_LIST, f"{slot},")  # type: ignore[attr-defined]
 
 

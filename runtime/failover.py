@@ -9,11 +9,11 @@ Each survivor then:
 
 1. registers as alive for the current generation in the store and waits for the
    others: until ``world - 1`` registered, or the missing ranks are whole machines
-   and nobody registered for ``SessionConfig.detect_settle``, or
-   ``detect_timeout``. What it saw (the machines with a missing rank, every
-   survivor outside them at the same step; or not) is its proposal; the first
-   proposal stored wins (``compare_set``), so all survivors act on one decision
-   even when their views raced. A live process on a lost machine leaves the job;
+   and nobody registered for the settle time (``SessionConfig.detect_settle``, at
+   least two median steps), or ``detect_timeout``. What it saw (the machines with
+   a missing rank, every survivor outside them at the same step; or not) is its
+   proposal; the first proposal stored wins (``compare_set``), so all survivors act
+   on one decision even when their views raced. A live process on a lost machine leaves the job;
 2. the lowest surviving rank waits up to ``standby_wait`` for one ready standby
    machine of the right size per lost machine and publishes the plan, addressed
    to every slot of those standbys; each rank to replace gets a *donor*, the
@@ -147,29 +147,36 @@ def recover(session: Session, error: BaseException, *, collective_started: float
         _give_up(session, migration_id, f"recovery of generation {gen} failed: {exc}", exc)
 
 
-def _wait_for_survivors(session: Session, prefix: str) -> int:
-    """How many members registered as alive, once there is no point waiting longer."""
-    store, world = session.store, session.world_size
-    cfg = session.config
+def _wait_for_survivors(session: Session, prefix: str) -> None:
+    """Until there is no point waiting for more members to register as alive: all but
+    one did; or the missing ranks make up whole machines and nobody registered for the
+    settle time (``detect_settle``, at least two median steps: a survivor registers
+    once its own compute of the step ends, so one slower by less than that is not
+    taken for dead); or a decision is already stored; or ``detect_timeout``."""
+    store, world, cfg = session.store, session.world_size, session.config
     now = time.monotonic()
     deadline = now + cfg.detect_timeout.total_seconds()
-    settle = cfg.detect_settle.total_seconds()
-    last, changed = -1, now
+    settle = max(cfg.detect_settle.total_seconds(), 2 * session.timing.median_step_s())
+    last, changed, partial = -1, now, True
     while True:
         count = int(store.add(f"{prefix}/alive", 0))
         now = time.monotonic()
         if count != last:
             last, changed = count, now
-        if count >= world - 1 or now > deadline:
-            return count
-        if now - changed >= settle and not _partial(session, prefix):
-            return count
+            partial = _partial(session, prefix)
+        if count >= world - 1 or now > deadline or store.check([f"{prefix}/decision"]):
+            return
+        if now - changed >= settle and not partial:
+            return
         time.sleep(0.002)
 
 
 def _alive(session: Session, prefix: str) -> list[int]:
-    store = session.store
-    return [r for r in range(session.world_size) if store.check([f"{prefix}/alive/{r}"])]
+    """The ranks registered alive (one store read, whatever the world size)."""
+    if not session.store.check([f"{prefix}/alive-list"]):
+        return []
+    listed = bytes(session.store.get(f"{prefix}/alive-list")).decode().split(",")
+    return sorted({int(r) for r in listed if r})
 
 
 def _partial(session: Session, prefix: str) -> bool:
@@ -185,6 +192,7 @@ def _agree(session: Session, prefix: str) -> Decision:
     membership = session.membership
     gen = membership.generation
     put(store, f"{prefix}/alive/{me}", str(session.state.step).encode())
+    store.append(f"{prefix}/alive-list", f"{me},")  # type: ignore[attr-defined]
     store.add(f"{prefix}/alive", 1)
     _wait_for_survivors(session, prefix)
     alive = _alive(session, prefix)
@@ -250,7 +258,7 @@ def _make_plan(session: Session, decision: Decision, *, prefix: str) -> dict[str
         time.sleep(0.02)
     plan: dict[str, Any]
     if swaps is None:
-        want = ", ".join(f"{n} ({k} slots)" for n, k in sizes.items())
+        want = ", ".join(f"{n} ({k} slot{'s' if k > 1 else ''})" for n, k in sizes.items())
         plan = {"reason": f"no ready standby machine within {wait_s:g} s to replace {want}"}
         put(session.store, f"{prefix}/plan", json.dumps(plan).encode())
         return plan

@@ -132,6 +132,23 @@ def without(specs: list[ProcessSpec], excluded: Collection[str]) -> list[Process
     return sorted(specs, key=lambda s: (s.role != "worker", s.rank, s.node, s.local_rank))
 
 
+def next_plan(
+    specs: list[ProcessSpec], status: wire.JobStatus, *, nproc_per_node: int
+) -> tuple[list[ProcessSpec], list[str]]:
+    """The next start's plan, and the excluded machines started again for want of a
+    standby machine: the machines as the job last reported them (one that was migrated
+    away or lost is not started again, the standby machine that took its place runs
+    its ranks), the standby machines that never joined, and each machine the job asked
+    to go on without (``excluded``) replaced by a standby machine while one is left."""
+    k = nproc_per_node
+    members = {m.node for m in status.members}
+    workers = [ProcessSpec("worker", m.node, m.rank, m.local_rank or 0, k) for m in status.members]
+    spares = [s for s in specs if s.role == "standby" and s.node not in members]
+    planned = without(workers + spares, status.excluded)
+    stays = sorted(members & set(status.excluded) & {s.node for s in planned})
+    return planned, stays
+
+
 def host_store(port: int = 0) -> TCPStore:
     """The job's store server, in this process; port 0 picks a free one."""
     return TCPStore(
@@ -223,7 +240,7 @@ class LocalJob:
         while (restart := self._watch(deadline, grace)) and self.restarts < self.max_restarts:
             self._end_attempt(self.restart_grace)
             self.restarts += 1
-            self._leave_out(self.attempts[-1].status)
+            self._replan(self.attempts[-1].status)
             # A fresh store: no key of the failed start (groups, failover plans, the
             # checkpoint to restore) can mislead the next one.
             if self._port == 0:
@@ -235,14 +252,10 @@ class LocalJob:
         self._end_attempt(self.restart_grace if restart else timedelta(0))
         return self.attempts[-1].codes
 
-    def _leave_out(self, status: wire.JobStatus | None) -> None:
-        """The machines the job asked to go on without: their ranks go to standby
-        machines for the next start (``without``)."""
-        if status is None or not status.excluded:
+    def _replan(self, status: wire.JobStatus | None) -> None:
+        if status is None:
             return
-        before = {s.node for s in self.specs if s.role == "worker"}
-        self.specs = without(self.specs, status.excluded)
-        stays = sorted(before & set(status.excluded) & {s.node for s in self.specs})
+        self.specs, stays = next_plan(self.specs, status, nproc_per_node=self.nproc_per_node)
         if stays:
             print(f"tmd launch: no standby machine left to start {', '.join(stays)} "
                   "without; starting it again", file=sys.stderr)  # fmt: skip

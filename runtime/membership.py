@@ -30,7 +30,10 @@ class Membership:
 
     def __post_init__(self) -> None:
         if self.local_ranks and len(self.local_ranks) != len(self.nodes):
-            raise ValueError("one local rank per rank")
+            raise ValueError(
+                f"generation {self.generation}: {len(self.local_ranks)} local ranks "
+                f"for {len(self.nodes)} ranks"
+            )
         slots = list(zip(self.nodes, self.local_ranks or [0] * len(self.nodes), strict=True))
         if len(set(slots)) != len(slots):
             twice = sorted({f"{n}/{lr}" for n, lr in slots if slots.count((n, lr)) > 1})

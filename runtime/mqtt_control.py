@@ -11,6 +11,7 @@ training thread, and a broker that is down only delays acks and drops telemetry
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import queue
 import threading
 from datetime import timedelta
@@ -69,7 +70,7 @@ class MqttControl:
         host, port = parse_broker(broker)
         client = paho.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=f"tmd-runtime-{job}-{node}".replace("/", "-")[:128],
+            client_id=_client_id(job, node),
         )
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
@@ -166,3 +167,12 @@ class MqttControl:
     def publish(self, topic: str, payload: bytes) -> None:
         self._client.publish(topic, payload, qos=0)
         self.published += 1
+
+
+def _client_id(job: str, slot: str) -> str:
+    """One MQTT client id per process of the job: a broker disconnects a client whose
+    id another one takes. Long names are cut, with a hash keeping them distinct."""
+    whole = f"tmd-runtime-{job}-{slot}".replace("/", "-")
+    if len(whole) <= 128:
+        return whole
+    return f"{whole[:111]}-{hashlib.sha256(whole.encode()).hexdigest()[:16]}"

@@ -192,8 +192,10 @@ class Session:
         local_ranks = tuple(int(local) for local, _ in slots)
         try:
             membership = Membership(0, nodes, local_ranks)
-        except MigrationError as exc:  # two processes claim one slot: TMD_NODE/LOCAL_RANK
-            raise ConfigError("LOCAL_RANK", str(exc)) from None
+        except MigrationError as exc:  # two processes claim one slot
+            raise ConfigError(
+                "LOCAL_RANK", f"{exc} (or TMD_NODE: two hosts with one name)"
+            ) from None
         self.reconfigure(Reconfiguration(group, membership, rank=self.rank))
         if self.config.checkpoint_dir is not None:
             self.restored_step = checkpoint.restore(self)
@@ -427,6 +429,7 @@ class Session:
                 ts=time.time(), job=self.env.job, generation=self.membership.generation,
                 world_size=self.world_size, members=self.membership.members(),
                 state=state, step=self.state.step, excluded=self.excluded,  # type: ignore[arg-type]
+                run=self.env.restart_count,
             )
         )  # fmt: skip
 

@@ -183,6 +183,9 @@ class JobStatus(Message, kw_only=True, frozen=True):
     standbys: Annotated[list[StandbyInfo], msgspec.Meta(max_length=4096)] = []
     state: Literal["running", "migrating", "stopped", "restarting"] = "running"
     step: Step = 0
+    run: Count = 0
+    """How many times the job was started again before this run (the launcher's restart
+    count): a higher run is a new run of the job, whatever its generation and step."""
     excluded: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
     """Machines a ``Restart`` asked the job to go on without: what a launcher reads to
     start the next run elsewhere (state ``restarting``)."""
@@ -239,6 +242,9 @@ class Restart(Message, kw_only=True, frozen=True, tag_field="cmd", tag="restart"
     migration_id: Name
     node: Name
     reason: Text = ""
+    run: Count | None = None
+    """The run of the job this restart is for (``JobStatus.run``); a runtime of
+    another run ignores it."""
 
 
 Control = Prepare | Switch | Abort | Restart

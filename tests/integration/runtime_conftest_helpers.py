@@ -155,19 +155,26 @@ def final_params(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     return result
 
 
-def losses(out: Path) -> dict[tuple[int, int], float]:
+def losses(
+    out: Path, *, again: frozenset[tuple[int, int]] = frozenset()
+) -> dict[tuple[int, int], float]:
+    """Every (rank, step) loss the processes computed. ``again``: the (rank, step)s a
+    live process on a lost machine computed before it left, which its replacement
+    computes again (the same); any other (rank, step) computed twice fails."""
     merged: dict[tuple[int, int], float] = {}
     for path in out.glob("losses-*.json"):
         for rank, step, loss in json.loads(path.read_text()):
-            # A step is computed twice only where a live process on a lost machine
-            # computed it before it left and its replacement ran it again, the same.
-            again = merged.get((rank, step), loss)
-            assert again == loss, f"two processes computed rank {rank} step {step} differently"
+            if (rank, step) in merged:
+                assert (rank, step) in again, f"two processes computed rank {rank} step {step}"
+                assert merged[(rank, step)] == loss, f"rank {rank} step {step} differs"
             merged[(rank, step)] = loss
     return merged
 
 
-def assert_same_as(out: Path, reference: Path, nproc: int, *, losses_from: int = 0) -> None:
+def assert_same_as(
+    out: Path, reference: Path, nproc: int, *, losses_from: int = 0,
+    again: frozenset[tuple[int, int]] = frozenset(),
+) -> None:  # fmt: skip
     """Final parameters of every rank equal the reference's, and so does every loss;
     ``losses_from``: losses before that step may be missing (a killed process never
     wrote them)."""
@@ -175,7 +182,7 @@ def assert_same_as(out: Path, reference: Path, nproc: int, *, losses_from: int =
         got, want = final_params(out, rank), final_params(reference, rank)
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), f"rank {rank} {name} differs"
-    have, expected = losses(out), losses(reference)
+    have, expected = losses(out, again=again), losses(reference)
     assert {k: expected[k] for k in have} == have
     assert {k for k in expected if k[1] >= losses_from} <= set(have)
     if losses_from == 0:

@@ -99,7 +99,7 @@ def test_two_machines_lost_at_once_with_one_standby_roll_back(
     # Two standby machines would replace both (tests/integration/test_runtime_machines.py);
     # one cannot, and half a replacement is none.
     assert "no ready standby machine" in acks[0].detail
-    assert "worker1 (1 slots), worker2 (1 slots)" in acks[0].detail
+    assert "worker1 (1 slot), worker2 (1 slot)" in acks[0].detail
     assert "rollback to checkpoint step 8" in acks[0].detail
     status = JobController(job.store, job="job").status()
     assert status is not None and status.state == "stopped" and status.generation == 0

@@ -1,0 +1,113 @@
+"""The survivors' agreement on which machines were lost (``failover._agree``), on a
+real TCPStore, each survivor in its own thread: whole machines, part of a machine,
+a slow survivor, survivors at different steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from tmd.runtime import failover
+from tmd.runtime.group import StoreAddress, connect_store
+from tmd.runtime.launch import host_store
+from tmd.runtime.membership import Membership
+from tmd.runtime.session import Session
+from tmd.runtime.session_config import SessionConfig
+from tmd.runtime.timing import StepTimes
+
+PREFIX = "tmd/fail/g0"
+
+
+@dataclass
+class _Survivor:
+    """What ``_agree`` reads of a ``Session``."""
+
+    rank: int
+    membership: Membership
+    store: Any
+    step: int = 7
+    median_step_s: float = 0.0
+    config: SessionConfig = field(
+        default_factory=lambda: SessionConfig(detect_timeout=timedelta(seconds=30))
+    )
+
+    def __post_init__(self) -> None:
+        self.world_size = len(self.membership.nodes)
+        self.state = SimpleNamespace(step=self.step)
+        self.timing = StepTimes()
+        if self.median_step_s:
+            self.timing.durations.extend([self.median_step_s] * 3)
+
+
+@pytest.fixture
+def store() -> Iterator[StoreAddress]:
+    server = host_store(0)
+    yield StoreAddress("127.0.0.1", server.port)
+
+
+def _agree(address: StoreAddress, membership: Membership, alive: dict[int, float],
+           **kwargs: Any) -> dict[int, Any]:  # fmt: skip
+    """Run ``_agree`` for every rank in ``alive`` (rank -> delay before it registers);
+    what each returned, or the exception it raised."""
+    results: dict[int, Any] = {}
+    start = threading.Barrier(len(alive))
+
+    def one(rank: int, delay: float) -> None:
+        member = _Survivor(rank, membership, connect_store(address, timeout=timedelta(seconds=30)),
+                           **kwargs)  # fmt: skip
+        start.wait()
+        time.sleep(delay)
+        try:
+            results[rank] = failover._agree(cast(Session, member), PREFIX)
+        except failover.Replaced as exc:
+            results[rank] = exc
+
+    with ThreadPoolExecutor(len(alive)) as pool:
+        for f in [pool.submit(one, r, d) for r, d in alive.items()]:
+            f.result(timeout=60)
+    return results
+
+
+TWO_BY_TWO = Membership(0, ("a", "a", "b", "b"), (0, 1, 0, 1))
+
+
+def test_a_machine_whose_every_rank_is_gone_is_lost(store: StoreAddress) -> None:
+    results = _agree(store, TWO_BY_TWO, {0: 0.0, 1: 0.0})
+    assert results[0] == results[1] == {"action": "replace", "alive": [0, 1], "lost": ["b"]}
+
+
+def test_a_machine_that_lost_one_rank_is_lost_and_its_live_rank_leaves(
+    store: StoreAddress,
+) -> None:
+    results = _agree(store, TWO_BY_TWO, {0: 0.0, 1: 0.0, 2: 0.0})
+    assert results[0] == results[1] == {"action": "replace", "alive": [0, 1], "lost": ["b"]}
+    assert isinstance(results[2], failover.Replaced)
+
+
+def test_a_survivor_slower_than_the_others_by_less_than_two_steps_is_not_lost(
+    store: StoreAddress,
+) -> None:
+    # One rank per machine: rank 3 died, rank 2 registers 0.4 s after the others. Its
+    # median step is 0.3 s, so the survivors wait at least 0.6 s for it.
+    four = Membership(0, ("n0", "n1", "n2", "n3"))
+    results = _agree(store, four, {0: 0.0, 1: 0.0, 2: 0.4}, median_step_s=0.3)
+    assert {r: v["lost"] for r, v in results.items()} == {0: ["n3"], 1: ["n3"], 2: ["n3"]}
+
+
+def test_survivors_at_different_steps_roll_back(store: StoreAddress) -> None:
+    four = Membership(0, ("n0", "n1", "n2", "n3"))
+    address = store
+    client = connect_store(address, timeout=timedelta(seconds=30))
+    client.set(f"{PREFIX}/alive/2", b"8")  # rank 2 was a step ahead
+    client.append(f"{PREFIX}/alive-list", "2,")
+    client.add(f"{PREFIX}/alive", 1)
+    results = _agree(address, four, {0: 0.0, 1: 0.0})
+    assert results[0]["action"] == "rollback" and "steps [7, 8]" in results[0]["reason"]
