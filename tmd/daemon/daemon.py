@@ -101,7 +101,9 @@ class Daemon:
         if isinstance(event, (events.GpuFault, events.NodeLost)):
             # Before anyone hears of it: the policies and the actuator both ask the
             # view for ready standbys, and neither may offer this node.
-            self.view.note_fault(event.node, self.clock.now())
+            # A lost machine's processes are not asked to restart (``ClusterView.lost``).
+            lost = isinstance(event, events.NodeLost)
+            self.view.note_fault(event.node, self.clock.now(), lost=lost)
         self.metrics.events.labels(kind=kind).inc()
         try:
             self.journal.record(event, source=source)

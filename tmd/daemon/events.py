@@ -134,13 +134,14 @@ class MigrationFinished(Event, kw_only=True, frozen=True):
 
 
 class JobRestarted(Event, kw_only=True, frozen=True):
-    """A new run of ``job`` started from its checkpoint (its generation started over and
-    its step went back), as its status showed the actuator: what was decided about the
-    old run's machines is moot."""
+    """A new run of ``job`` started from its checkpoint (its run counted up, or its
+    generation and step went back), as its status showed the actuator: what was decided
+    about the old run's machines is moot."""
 
     job: str
     generation: int
     step: int
+    run: int = 0  # the new run's count (``wire.JobStatus.run``)
 
 
 ALL: tuple[type[Event], ...] = (

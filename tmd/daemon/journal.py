@@ -57,10 +57,16 @@ CREATE TABLE IF NOT EXISTS memberships (
     generation INTEGER NOT NULL,
     step INTEGER NOT NULL,
     ts REAL NOT NULL,
-    members TEXT NOT NULL
+    members TEXT NOT NULL,
+    run INTEGER NOT NULL DEFAULT 0
 );
 """
 _SCHEMA_VERSION: Final = 1
+_ADDED_COLUMNS: Final = (("memberships", "run", "INTEGER NOT NULL DEFAULT 0"),)
+"""Columns added since a table was first created, each with a default, so a row written
+before reads as that default. Additive changes keep the schema version (as the wire
+keeps ``v = 1``): an older tmd names the columns it reads and writes, and goes on
+working with the same file."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class Membership:
     step: int
     ts: float  # the status's own time
     members: dict[int, str]  # rank -> node
+    run: int = 0  # the launcher's restart count (0: a row or a runtime from before runs)
 
 
 class Journal:
@@ -122,6 +129,10 @@ class Journal:
             )
         # executescript commits on its own; every statement in it is idempotent.
         self._db.executescript(_SCHEMA + f"PRAGMA user_version={_SCHEMA_VERSION};")
+        for table, column, definition in _ADDED_COLUMNS:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:  # a journal from before the column
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         with self._translated():
@@ -268,16 +279,16 @@ class Journal:
         m = membership
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members)"
-                " VALUES (?,?,?,?,?)",
-                (job, m.generation, m.step, m.ts, json.dumps(sorted(m.members.items()))),
+                "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members, run)"
+                " VALUES (?,?,?,?,?,?)",
+                (job, m.generation, m.step, m.ts, json.dumps(sorted(m.members.items())), m.run),
             )
 
     def memberships(self) -> dict[str, Membership]:
         """The last membership saved of each job."""
-        rows = self._query("SELECT job, generation, step, ts, members FROM memberships")
+        rows = self._query("SELECT job, generation, step, ts, members, run FROM memberships")
         return {
-            r[0]: Membership(r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])})
+            r[0]: Membership(r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])}, r[5])
             for r in rows
         }
 

@@ -119,11 +119,14 @@ class JobView:
     generation: int = 0
     state: str = "unknown"
     step: int = 0
+    run: int = 0  # the launcher's restart count of the job (0 from old runtimes)
     members: dict[int, str] = field(default_factory=dict)  # rank -> node (its machine)
     # rank -> its index among its machine's ranks; None from a runtime before machines
     # (one rank per machine)
     local_ranks: dict[int, int | None] = field(default_factory=dict)
     standbys: dict[str, wire.StandbyInfo] = field(default_factory=dict)
+    # machines a Restart asked the job to go on without, as its status says
+    excluded: frozenset[str] = frozenset()
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_seen: float = 0.0
     status_ts: float = 0.0
@@ -184,6 +187,7 @@ class ClusterView:
         self.nodes: dict[str, NodeView] = {}
         self.total_ranks = 0
         self._faults: dict[str, float] = {}  # node -> when a GpuFault or NodeLost came
+        self._lost: dict[str, float] = {}  # node -> when a NodeLost came
 
     # -- apply: one per wire type, each O(size of the message) ---------------------------
 
@@ -237,6 +241,8 @@ class ClusterView:
         job.generation = status.generation
         job.state = status.state
         job.step = status.step
+        job.run = status.run
+        job.excluded = frozenset(status.excluded)
         job.members = {m.rank: m.node for m in status.members}
         job.local_ranks = {m.rank: m.local_rank for m in status.members}
         job.standbys = {s.node: s for s in status.standbys}
@@ -281,13 +287,12 @@ class ClusterView:
 
     # -- standbys: who may take a machine's place -----------------------------------------
 
-    def note_fault(self, node: str, ts: float) -> None:
-        """A GpuFault or NodeLost on ``node`` at ``ts`` (daemon time): no standby to
-        move work onto until it proves itself again."""
-        self._faults.pop(node, None)
-        self._faults[node] = ts
-        while len(self._faults) > self.max_nodes:  # the oldest first
-            del self._faults[next(iter(self._faults))]
+    def note_fault(self, node: str, ts: float, *, lost: bool = False) -> None:
+        """A GpuFault or NodeLost (``lost``) on ``node`` at ``ts`` (daemon time): no
+        standby to move work onto until it proves itself again."""
+        _note(self._faults, node, ts, self.max_nodes)
+        if lost:
+            _note(self._lost, node, ts, self.max_nodes)
 
     def healthy(self, node: str) -> bool:
         """No GpuFault or NodeLost on ``node`` since its agent last reported."""
@@ -301,6 +306,22 @@ class ClusterView:
             del self._faults[node]
             return True
         return False
+
+    def lost(self, node: str) -> bool:
+        """Whether ``node`` is offline, or a NodeLost came and nothing from its agent
+        since: its processes cannot be counted on to run, let alone to answer."""
+        seen = self.nodes.get(node)
+        if seen is not None and seen.state == "offline":
+            return True
+        since = self._lost.get(node)
+        if since is None:
+            return False
+        # Anything the agent sent after the loss (a sample, an XID, its status) proves
+        # the machine is up: the loss was a silence, not a death.
+        if seen is not None and seen.last_seen > since:
+            del self._lost[node]
+            return False
+        return True
 
     def gpu_model(self, node: str) -> str:
         """The model of the node's first GPU, as its agent reported it ("" if not)."""
@@ -366,6 +387,14 @@ class ClusterView:
             "nodes": [_node_json(n, now) for _, n in sorted(self.nodes.items())],
             "totals": {"jobs": len(self.jobs), "nodes": len(self.nodes), "ranks": self.total_ranks},
         }
+
+
+def _note(seen: dict[str, float], node: str, ts: float, bound: int) -> None:
+    """Remember ``ts`` for ``node``, newest last, keeping at most ``bound`` nodes."""
+    seen.pop(node, None)
+    seen[node] = ts
+    while len(seen) > bound:  # the oldest first
+        del seen[next(iter(seen))]
 
 
 def rank_rows(job: JobView, now: float, *, chunk: int = 1024) -> Iterator[list[dict[str, Any]]]:

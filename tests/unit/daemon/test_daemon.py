@@ -28,3 +28,14 @@ def test_a_fault_is_in_the_view_before_any_policy_or_the_actuator_hears_of_it(
         assert daemon.view.ready_standbys("a") == []
     finally:
         daemon.journal.close()
+
+
+def test_a_node_lost_marks_the_machine_lost_and_a_gpu_fault_does_not(tmp_path: Path) -> None:
+    daemon = Daemon(config_mod.from_dict({"journal": {"path": str(tmp_path / "j.sqlite3")}}))
+    try:
+        daemon.emit(events.GpuFault(ts=TS, node="n0", gpu=0, cause="xid 79"), "gpu_health")
+        assert not daemon.view.lost("n0")
+        daemon.emit(events.NodeLost(ts=TS, node="n1", cause="heartbeat"), "node_lost")
+        assert daemon.view.lost("n1")
+    finally:
+        daemon.journal.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tmd.daemon import events
-from tmd.daemon.journal import Journal
+from tmd.daemon.journal import Journal, Membership
 from tmd.errors import AlreadyFinished, JournalError
 
 TS = 1_800_000_000.0
@@ -70,3 +70,31 @@ def test_sqlite_errors_come_out_as_journal_errors(tmp_path: Path) -> None:
         j.record(events.NodeLost(ts=TS, node="n1", cause="heartbeat"))
     with pytest.raises(JournalError):
         j.in_flight()
+
+
+def test_a_membership_keeps_its_run_and_rows_from_before_runs_read_as_run_0(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)  # a journal written before runs were counted
+    old.executescript(
+        "CREATE TABLE memberships (job TEXT PRIMARY KEY, generation INTEGER NOT NULL,"
+        " step INTEGER NOT NULL, ts REAL NOT NULL, members TEXT NOT NULL);"
+        "INSERT INTO memberships VALUES ('a', 2, 40, 1.0, '[[0, \"n0\"]]');"
+        "PRAGMA user_version = 1;"
+    )
+    old.close()
+    j = Journal(path)
+    assert j.memberships() == {"a": Membership(2, 40, 1.0, {0: "n0"}, run=0)}
+    j.save_membership("b", Membership(0, 40, 2.0, {0: "n1"}, run=3))
+    j.close()
+    j = Journal(path)  # opened again: the column is there once
+    assert j.memberships()["b"].run == 3
+    old = sqlite3.connect(path)  # what an older tmd writes, naming its columns, still goes
+    old.execute(
+        "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members)"
+        " VALUES ('c', 0, 0, 3.0, '[]')"
+    )
+    old.commit()
+    old.close()
+    assert j.memberships()["c"].run == 0

@@ -255,3 +255,31 @@ def test_a_status_from_before_machines_is_one_rank_per_machine() -> None:
     assert job.local_ranks == {0: None, 1: None}
     assert job.machines() == {"w0": [0], "w1": [1]}
     assert view.ready_standbys("j", leaver="w0") == ["s0"]  # a standby of one slot
+
+
+def test_a_job_keeps_its_run_and_the_machines_it_excludes() -> None:
+    view = ClusterView()
+    status = wire.JobStatus(
+        ts=TS, job="j", generation=0, world_size=1, members=[wire.Member(0, "w0")],
+        state="restarting", run=2, excluded=["w1"],
+    )  # fmt: skip
+    view.apply_job_status(status, TS)
+    job = view.jobs["j"]
+    assert (job.run, job.excluded) == (2, {"w1"})
+
+
+def test_a_machine_is_lost_until_its_agent_reports_again() -> None:
+    view = ClusterView()
+    view.apply_node_status(node("w0"), TS)
+    view.note_fault("w0", TS + 1)  # a GpuFault: the machine is up
+    assert not view.lost("w0")
+    view.note_fault("w0", TS + 2, lost=True)  # a NodeLost
+    assert view.lost("w0") and not view.lost("w9")
+    view.apply_gpu(wire.NodeGpu(ts=TS, node="w0"), TS + 2)  # no later than the loss
+    assert view.lost("w0")
+    view.apply_gpu(wire.NodeGpu(ts=TS, node="w0"), TS + 3)  # a sample after it
+    assert not view.lost("w0")
+    view.apply_node_status(node("w0", ts=TS + 4, state="offline"), TS + 4)  # its Last Will
+    assert view.lost("w0")
+    view.note_fault("w8", TS, lost=True)  # a machine never heard of
+    assert view.lost("w8")

@@ -125,3 +125,22 @@ def test_a_new_run_or_a_machine_that_left_is_decided_about_anew() -> None:
     assert list(policy.observe(fault, T0)) == []  # h1 still a member
     list(policy.observe(job_status(["h0", "h2"], {}, generation=2), T0))  # h1 left
     assert len(list(policy.observe(fault, T0))) == 1  # the view still has h1 in job a
+
+
+def test_a_migration_held_while_the_job_restarts_is_decided_again(actuator: Any) -> None:
+    # An XID is reported once: the policy must not keep a decision the actuator dropped.
+    view, policy = setup({"s2": 2})
+    emitted: list[events.Event] = []
+    act = actuator(view, emitted)
+    act.on_event(job_status(["h0", "h1"], {"s2": 2}), T0)
+    other = events.CheckpointRestart(ts=T0, policy="alert", job="a", node="h0", reason="x")
+    [command] = act.on_event(other, T0)  # the job is restarting without h0
+    assert isinstance(command, wire.Restart)
+    fault = events.GpuFault(ts=T0, node="h1", gpu=1, cause="xid 79")
+    [decision] = policy.observe(fault, T0 + 1)
+    assert isinstance(decision, events.Migrate)
+    assert act.on_event(decision, T0 + 1) == []
+    [hold] = [e for e in emitted if isinstance(e, events.Hold)]
+    assert "is restarting from its checkpoint" in hold.reason and hold.held == "failover"
+    assert list(policy.observe(hold, T0 + 1)) == []
+    assert decided(policy.observe(fault, T0 + 2)) == [("Migrate", "a", "h1")]

@@ -25,9 +25,11 @@ generation that put the joiner in the leaver's place means the switch happened, 
 if the acks were lost.
 
 A checkpoint restart is a flight too, of one phase (``restarting``): ``Restart`` sent
-until the job answers ``restarting`` (any one process: rank 0 writes the checkpoint)
-or its status says it is restarting or stopped -> ``done``; no answer within
-``actuator.switch_timeout_s`` -> ``failed``. It has no joiner.
+until the job answers ``restarting`` (any one process: rank 0 writes the checkpoint),
+its status says it is restarting, or a new run of it starts -> ``done``; its status
+says it stopped (it ended without restarting), or the machine left the job without a
+new run -> ``aborted``; no answer within ``actuator.switch_timeout_s`` -> ``failed``.
+It has no joiner, and names the run of the job it is for (``Flight.run``).
 
 ``Flight`` is the record; ``PhaseMachine`` moves it on what arrives (an ack, a status,
 the time) and answers with a ``Next``: what the actuator then journals, sends or
@@ -84,6 +86,9 @@ class Flight:
     acks: dict[AckKey, wire.Ack] = field(default_factory=dict)
     switched_by_status: bool = False
     runtime_id: str = ""  # the runtime's own id of a failover it did by itself
+    run: int | None = None
+    """A restart's: the run of the job it is for (``wire.JobStatus.run``; None: journaled
+    before runs were counted, any run)."""
 
     def slots_of(self, node: str) -> int:
         return self.slots.get(node, 1)
@@ -183,7 +188,7 @@ class PhaseMachine:
         if flight.phase == "restarting":
             return wire.Restart(
                 ts=now, job=flight.job, migration_id=flight.id, node=flight.leaver,
-                reason=flight.reason[:1000],
+                reason=flight.reason[:1000], run=flight.run,
             )  # fmt: skip
         return wire.Abort(
             ts=now, job=flight.job, migration_id=flight.id, reason=flight.abort_reason[:1000]
@@ -198,7 +203,7 @@ class PhaseMachine:
                 "slots": dict(sorted(flight.slots.items())),
             }  # fmt: skip
         if phase == "restarting":  # what tells a restart's row from a migration's
-            return {"kind": RESTART, "generation": flight.generation}
+            return {"kind": RESTART, "generation": flight.generation, "run": flight.run}
         return {}
 
     # -- what arrives ------------------------------------------------------------------
@@ -251,10 +256,19 @@ class PhaseMachine:
     ) -> Next:
         """A status of the flight's job with these member ``nodes``, in ``state``."""
         if flight.phase == "restarting":
-            if state in ("restarting", "stopped"):
-                return Next("done", f"the job's status says {state}")
+            # A new run (the usual end: the job restarted without the machine) is the
+            # actuator's to see first (``membership.since``); what is left here is the
+            # same run.
+            if state == "restarting":
+                return Next("done", "the job's status says restarting")
+            if state == "stopped":
+                return Next("aborted", "the job stopped")
             if flight.leaver not in nodes:
-                return Next("aborted", f"{flight.leaver} left the job")
+                return Next(
+                    "aborted",
+                    f"{flight.leaver} left the job in generation {generation} without a "
+                    "restart (the runtime replaced it, or went on without it)",
+                )
             return STAY
         if flight.phase == "runtime" or generation <= flight.generation:
             return STAY

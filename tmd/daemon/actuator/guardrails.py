@@ -6,9 +6,11 @@ node; a cluster-wide rate limit per hour; planned migrations (every policy but
 failover) keep ``min_standby_pool`` ready standbys in the job, while failover may
 use the last one, since a dead machine is worse than an empty pool; and dry-run,
 which journals every decision and executes none. A checkpoint restart is disruptive
-too (``check_restart``): dry-run holds it, and a job never migrates and restarts at
-once, whichever came first. ``check`` and ``check_restart`` are pure functions of
-the decision and the state they are given.
+too (``check_restart``): dry-run holds it, a job never migrates and restarts at once,
+whichever came first, and a job is asked to restart without a machine at most once per
+``node_cooldown_s`` (a machine that fails again in the next run does not make a restart
+loop). ``check`` and ``check_restart`` are pure functions of the decision and the state
+they are given.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class GuardState:
     in_flight: dict[str, int] = field(default_factory=dict)  # job -> count
     restarting: dict[str, str] = field(default_factory=dict)  # job -> its restart's id
     last_on_node: dict[str, float] = field(default_factory=dict)  # node -> start time
+    # (job, node) -> when the job was last asked to restart without node
+    last_restart: dict[tuple[str, str], float] = field(default_factory=dict)
     started: deque[float] = field(default_factory=deque)  # start times, last hour
 
     def record_start(self, decision: events.Migrate, now: float) -> None:
@@ -87,11 +91,16 @@ def check(
 
 
 def check_restart(
-    decision: events.CheckpointRestart, *, config: GuardrailsConfig, state: GuardState
+    decision: events.CheckpointRestart,
+    *,
+    config: GuardrailsConfig,
+    state: GuardState,
+    now: float,
 ) -> str | None:
     """Why the checkpoint restart ``decision`` asks for must not be asked now, or None.
-    The rate limits and cooldowns of migrations do not apply: a restart is what is left
-    when no migration can run."""
+    The rate limit and node cooldown of migrations do not apply (a restart is what is
+    left when no migration can run); a restart has its own cooldown per (job, node), as
+    long as ``node_cooldown_s``."""
     if config.dry_run:
         return DRY_RUN
     job = decision.job
@@ -99,4 +108,10 @@ def check_restart(
         return f"job {job} is already restarting ({state.restarting[job]})"
     if state.in_flight.get(job, 0):
         return f"job {job} has {state.in_flight[job]} migration(s) in flight"
+    last = state.last_restart.get((job, decision.node))
+    if last is not None and now - last < config.node_cooldown_s:
+        return (
+            f"job {job} was asked to restart without {decision.node} {now - last:.0f} s ago "
+            f"(guardrails.node_cooldown_s = {config.node_cooldown_s:g})"
+        )
     return None

@@ -7,8 +7,10 @@ ledger also keeps what the guardrails count (``GuardState``) and who replaced wh
 
 A checkpoint restart the actuator asks for is kept the same way, as a row of its own
 kind (``kind: restart`` in its detail, no joiner) that starts in state ``restarting``
-and ends ``done`` (the job answered) or ``failed``; the ledger remembers, until the
-job's next run, which machines a job was asked to restart without.
+and ends ``done`` (the job answered or restarted), ``aborted`` (it stopped, or the
+machine left it) or ``failed`` (no answer); the ledger remembers, until the job's next
+run, which machines a job was asked to restart without, answered or not: a restart
+whose answer was lost must not be asked for a second time.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Ledger:
         """Drive ``flight``; the guardrails count it from ``started``."""
         if flight.is_restart:
             self.guard_state.restarting[flight.job] = flight.id
+            self.guard_state.last_restart[(flight.job, flight.leaver)] = started
         else:
             self.guard_state.record_start(
                 events.Migrate(ts=started, policy=flight.policy, reason="", job=flight.job,
@@ -128,7 +131,9 @@ class Ledger:
         )  # fmt: skip
 
     def _restart_finished(self, flight: Flight, outcome: Outcome, now: float) -> None:
-        if outcome == "done":
+        # Failed: nobody answered in time, yet the job may have heard it (the answer
+        # was lost, or it checkpoints slowly) and be on its way out.
+        if outcome in ("done", "failed"):
             self.restarts_asked[(flight.job, flight.leaver)] = flight.id
         if self.metrics is not None:
             self.metrics.restarts.labels(outcome=outcome).inc()

@@ -4,9 +4,10 @@ The runtime also replaces a dead machine by itself (``tmd.runtime.failover``), f
 than any daemon could react. The actuator notices that from the job's status (a new
 generation with a different node at a rank, without a migration of its own) and
 journals it as a finished migration, so policies, guardrails and ``tmd events`` see
-it like any other. A status whose generation and step went back is a new run of the
-job, restarted from its checkpoint. The runtime's answers about its own failovers may
-come before the status that explains them; they wait here to be claimed.
+it like any other. A status of a higher run (the launcher's restart count) is a new run
+of the job, restarted from its checkpoint, and so is one whose generation and step went
+back (``since``). The runtime's answers about its own failovers may come before the
+status that explains them; they wait here to be claimed.
 
 The last membership of each job is kept in the journal, so that a restarted daemon
 sees what changed while it was down.
@@ -15,7 +16,7 @@ sees what changed while it was down.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from tmd import wire
 from tmd.daemon.actuator.flight import RUNTIME_ACK_GRACE_S, Flight
@@ -32,7 +33,7 @@ __all__ = [
     "Moved",
     "moved",
     "runtime_failover",
-    "went_back",
+    "since",
 ]
 
 
@@ -48,25 +49,44 @@ class Memberships:
 
     def record(self, status: wire.JobStatus, before: Membership | None) -> Membership:
         """Remember what ``status`` says; journaled when it differs from ``before`` (None:
-        the first of the job, or of a new run of it) in generation or members."""
+        the first of the job, or of a new run of it) in generation, run or members."""
         after = Membership(
             generation=status.generation, step=status.step, ts=status.ts,
-            members={m.rank: m.node for m in status.members},
+            members={m.rank: m.node for m in status.members}, run=status.run,
         )  # fmt: skip
         self._seen[status.job] = after
         if (
             before is None
             or after.generation != before.generation
+            or after.run != before.run
             or after.members != before.members
         ):
             self._journal.save_membership(status.job, after)
         return after
 
 
-def went_back(before: Membership, status: wire.JobStatus) -> bool:
-    """Whether ``status`` is behind ``before``: delivered late (it is older) or a new run
-    of the job (its generation starts over at 0, its step goes back to the checkpoint)."""
-    return (status.generation, status.step) < (before.generation, before.step)
+Since = Literal["next", "late", "new run"]
+
+
+def since(before: Membership, status: wire.JobStatus) -> Since:
+    """What ``status`` is to ``before``, the job's last membership: a ``new run`` of the
+    job, a status of this run (``next``), or one older than ``before`` delivered
+    ``late``.
+
+    A higher run is a new run whatever its generation and step: the usual restart
+    starts again at generation 0 from the checkpoint at the step the old run ended on,
+    and says so only by its run. A status behind ``before`` (a lower run, or the same
+    run with its generation and step gone back) is late if it is no newer; if it is
+    newer, it is a new run that did not count up: a runtime from before runs (always
+    run 0), or a job launched again from scratch (its launcher counts from 0 again)."""
+    if status.run > before.run:
+        return "new run"
+    if status.run == before.run and (status.generation, status.step) >= (
+        before.generation,
+        before.step,
+    ):
+        return "next"
+    return "new run" if status.ts > before.ts else "late"
 
 
 class Moved(NamedTuple):
@@ -150,7 +170,10 @@ class FailoverAcks:
         return False
 
     def claim(self, job: str, runtime_id: str) -> wire.Ack | None:
-        return self._early.pop((job, runtime_id), None)
+        """The answer held for the runtime's failover ``runtime_id``, if one came. It is
+        kept for the other machines the same failover replaced (one answer, one id,
+        for all of them), until the job's next run."""
+        return self._early.get((job, runtime_id))
 
     def forget(self, job: str) -> None:
         """A new run of ``job`` uses the runtime's ids again."""

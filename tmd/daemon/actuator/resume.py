@@ -5,7 +5,8 @@ restart the actuator waits ``actuator.settle_s`` for the retained statuses, then
 resumes each migration the journal still holds in flight from the phase it reached
 (``Journal.in_flight``), so a migration is neither lost nor repeated, and each ends
 in exactly one ``MigrationFinished``. The guardrails count the migrations of the last
-hour from when they started, as if the daemon had not stopped.
+hour from when they started, and the cooldowns of machines (migrated, or restarted
+without) from then too, as if the daemon had not stopped.
 
 A checkpoint restart still in flight is resumed the same way: its ``Restart`` is sent
 again with the same id (the runtime acts on an id once), unless the job's status
@@ -24,13 +25,20 @@ from tmd.daemon.journal import TERMINAL_STATES, MigrationRow
 from tmd.daemon.view import ClusterView, JobView
 
 
-def reconcile(ledger: Ledger, view: ClusterView, now: float) -> list[wire.Message]:
-    """Resume what the journal holds in flight; returns the commands to publish."""
+def reconcile(
+    ledger: Ledger, view: ClusterView, now: float, *, lookback_s: float = 3600.0
+) -> list[wire.Message]:
+    """Resume what the journal holds in flight; returns the commands to publish. The
+    guardrails count what started in the last ``lookback_s`` (the longest of their
+    windows)."""
     guard = ledger.guard_state
     out: list[wire.Message] = []
-    for row in ledger.journal.recent_migrations(now - 3600):
-        if row.state not in TERMINAL_STATES or is_restart(row):
-            continue  # counted again when it is resumed below; a restart is not counted
+    for row in ledger.journal.recent_migrations(now - lookback_s):
+        if row.state not in TERMINAL_STATES:
+            continue  # counted again when it is resumed below
+        if is_restart(row):  # not counted as a migration, but its machine cools down
+            guard.last_restart[(row.job, row.leaver)] = row.created_ts
+            continue
         guard.started.append(row.created_ts)
         guard.last_on_node[row.leaver] = row.created_ts
     for row in ledger.journal.in_flight():
@@ -111,10 +119,12 @@ def restore(row: MigrationRow, job: JobView | None, phase: Phase, *, deadline: f
             members = (members - {row.joiner}) | {row.leaver}
         machines = job.machines() if job is not None else {}
         slots = machine_slots(machines, row.leaver, row.joiner)
+    run = row.detail.get("run")  # a restart's; None: journaled before runs were counted
     return Flight(
         id=row.id, job=row.job, leaver=row.leaver, joiner=row.joiner,
         policy=row.reason.partition(":")[0], reason=row.reason, phase=phase,
         generation=int(row.detail.get("generation", job.generation if job else 0)),
         members=members, deadline=deadline, slots=slots,
         runtime_id=str(row.detail.get("runtime_id", "")),
+        run=None if run is None else int(run),
     )  # fmt: skip

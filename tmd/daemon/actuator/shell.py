@@ -98,7 +98,9 @@ class Actuator:
 
     def reconcile(self, now: float) -> list[wire.Message]:
         """Resume what the journal holds in flight (once, after a restart)."""
-        return resume.reconcile(self.ledger, self.view, now)
+        return resume.reconcile(
+            self.ledger, self.view, now, lookback_s=max(3600.0, self.guard.node_cooldown_s)
+        )
 
     # -- decisions ---------------------------------------------------------------------
 
@@ -156,7 +158,9 @@ class Actuator:
             return []  # the runtime is rolling back by itself: nothing to ask
         why = restart.held(decision, view=self.view, asked=self.ledger.restarts_asked)
         if why is None:
-            why = guardrails.check_restart(decision, config=self.guard, state=self.guard_state)
+            why = guardrails.check_restart(
+                decision, config=self.guard, state=self.guard_state, now=now
+            )
             if not self.config.enabled and why is None:
                 why = "actuator.enabled is false"
             if why is not None and self.guard.dry_run:
@@ -192,8 +196,12 @@ class Actuator:
                 f for f in self.flights.values()
                 if f.runtime_id == ack.migration_id and f.job == ack.job
             ]  # fmt: skip
+            # Machines the runtime replaced in one generation share its failover id, and
+            # its one answer (with the downtime) speaks for all of them.
+            for flight in runtime:
+                self._apply(flight, self.machine.on_ack(flight, ack, now), now)
             if runtime:
-                return self._apply(runtime[0], self.machine.on_ack(runtime[0], ack, now), now)
+                return []
             if ack.migration_id.startswith("failover-") and self.failover_acks.hold(ack):
                 self.emit(
                     events.CheckpointRestart(
@@ -209,9 +217,10 @@ class Actuator:
 
     def _on_status(self, status: wire.JobStatus, now: float) -> list[wire.Message]:
         before = self.memberships.get(status.job)
-        if before is not None and membership.went_back(before, status):
-            if status.ts <= before.ts:
-                return []  # an older status delivered late
+        seen = membership.since(before, status) if before is not None else "next"
+        if seen == "late":
+            return []  # an older status delivered late
+        if seen == "new run":
             self._job_restarted(status, now)
             before = None
         after = self.memberships.record(status, before)
@@ -235,8 +244,8 @@ class Actuator:
         return []
 
     def _job_restarted(self, status: wire.JobStatus, now: float) -> None:
-        """A new run of the job (a checkpoint restart starts over at generation 0): what
-        was in flight in the old one is over, and its ids will be used again."""
+        """A new run of the job (``membership.since``): what was in flight in the old one
+        is over, and its ids will be used again."""
         for flight in self.ledger.of_job(status.job):
             # A restart we asked for that the new run answers: it happened.
             done = flight.phase in ("runtime", "restarting")
@@ -244,12 +253,11 @@ class Actuator:
             self.ledger.finish(flight, outcome, now, detail="the job restarted")
         self.failover_acks.forget(status.job)
         self.ledger.job_restarted(status.job)
-        self.emit(
-            events.JobRestarted(
-                ts=now, job=status.job, generation=status.generation, step=status.step
-            ),
-            SOURCE,
-        )
+        restarted = events.JobRestarted(
+            ts=now, job=status.job, generation=status.generation, step=status.step,
+            run=status.run,
+        )  # fmt: skip
+        self.emit(restarted, SOURCE)
 
     def _record_runtime_failover(
         self, status: wire.JobStatus, machine: membership.Moved, old_gen: int, now: float

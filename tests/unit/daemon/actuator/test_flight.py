@@ -298,7 +298,11 @@ def test_a_restart_is_done_on_any_processs_answer_or_the_jobs_status() -> None:
     assert MACHINE.on_status(f, 3, {"w0", "w1", "w2"}, state="restarting") == Next(
         "done", "the job's status says restarting"
     )
-    assert MACHINE.on_status(f, 4, {"w0", "w1", "s9"}) == Next("aborted", "w2 left the job")
+    assert MACHINE.on_status(f, 4, {"w0", "w1", "s9"}) == Next(
+        "aborted",
+        "w2 left the job in generation 4 without a restart (the runtime replaced it, or went "
+        "on without it)",
+    )
     assert MACHINE.on_tick(f, T0 + 5, None) == Next("resend")
     assert MACHINE.on_tick(f, T0 + 20, None) == Next(
         "failed", "no answer to the restart within 20 s"

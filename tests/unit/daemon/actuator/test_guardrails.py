@@ -6,7 +6,7 @@ import pytest
 
 from tmd.config import GuardrailsConfig
 from tmd.daemon import events
-from tmd.daemon.actuator.guardrails import GuardState, check
+from tmd.daemon.actuator.guardrails import GuardState, check, check_restart
 from tmd.errors import ConfigError
 
 T0 = 1_800_000_000.0
@@ -114,3 +114,26 @@ def test_without_a_ready_standby_even_a_failover_is_held() -> None:
     verdict = check(migrate("failover"), config=GuardrailsConfig(), state=GuardState(),
                     ready_standbys=0, now=T0)  # fmt: skip
     assert verdict == "no ready standby"
+
+
+def test_a_restart_without_a_machine_cools_down_per_job_and_machine() -> None:
+    cfg = GuardrailsConfig(node_cooldown_s=100)
+    state = GuardState(last_restart={("a", "n0"): T0})
+
+    def restart(job: str, node: str) -> events.CheckpointRestart:
+        return events.CheckpointRestart(ts=T0, policy="failover", job=job, node=node, reason="")
+
+    blocked = check_restart(restart("a", "n0"), config=cfg, state=state, now=T0 + 99)
+    assert blocked == (
+        "job a was asked to restart without n0 99 s ago (guardrails.node_cooldown_s = 100)"
+    )
+    assert check_restart(restart("a", "n1"), config=cfg, state=state, now=T0 + 1) is None
+    assert check_restart(restart("b", "n0"), config=cfg, state=state, now=T0 + 1) is None
+    assert check_restart(restart("a", "n0"), config=cfg, state=state, now=T0 + 100) is None
+    # A migration of the machine holds a restart only while it runs: it starts no
+    # restart cooldown (a restart is what is left when no migration can run).
+    state.record_start(migrate(job="c", node="n2"), T0)
+    held = check_restart(restart("c", "n2"), config=cfg, state=state, now=T0 + 1)
+    assert held == "job c has 1 migration(s) in flight"
+    state.record_end("c")
+    assert check_restart(restart("c", "n2"), config=cfg, state=state, now=T0 + 1) is None

@@ -135,3 +135,20 @@ def test_a_machine_the_runtime_replaced_is_one_failover_naming_its_ranks(h: Harn
     [row] = h.journal.recent_migrations(0)
     assert row.reason == "the runtime replaced lost ranks 2, 3 (machine w1) with s0"
     assert row.detail["ranks"] == [2, 3]
+
+
+@pytest.mark.parametrize("answer_first", [False, True])
+def test_two_machines_the_runtime_replaced_at_once_both_end_on_its_one_answer(
+    h: Harness, answer_first: bool
+) -> None:
+    # One failover of the runtime, one id (failover-g0) and one answer for both machines.
+    answer = ack("failover-g0", "switched", "w2", 0, 0.7)
+    h.status(status())
+    if answer_first:
+        h.feed(answer)
+    h.status(status(1, ["s0", "s1", "w2"], standbys={}), T0 + 3)
+    if not answer_first:
+        h.feed(answer)
+    ends = sorted((e.node, e.to, e.outcome, e.downtime_s) for e in h.finished())
+    assert ends == [("w0", "s0", "done", 0.7), ("w1", "s1", "done", 0.7)]
+    assert h.journal.in_flight() == []

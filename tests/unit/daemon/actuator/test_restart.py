@@ -177,4 +177,143 @@ def test_a_new_run_ends_the_restart_and_may_be_asked_again(h: Harness) -> None:
     assert (end.migration_id, end.outcome) == (mid, "done")
     [new_run] = [e for e in h.emitted if isinstance(e, events.JobRestarted)]
     assert (new_run.job, new_run.generation, new_run.step) == (JOB, 0, 40)
-    assert ask(h, T0 + 81).migration_id != mid
+    assert ask(h, T0 + 1800).migration_id != mid  # once the machine's cooldown is over
+
+
+# -- found in review ---------------------------------------------------------------------
+
+
+def run_of(run: int, *, step: int = 40, ts: float = T0, **fields: object) -> wire.JobStatus:
+    """The job's status in its ``run``-th run (the launcher's restart count)."""
+    return replace(status(standbys={}), step=step, run=run, ts=ts, **fields)
+
+
+def test_the_usual_new_run_after_a_restart_is_seen_by_its_run(h: Harness) -> None:
+    # The new run restores the checkpoint the old one wrote at the step it stopped on,
+    # at generation 0: only its run tells it from the old run's last status.
+    h.status(run_of(0))
+    mid = ask(h).migration_id
+    h.status(run_of(0, state="restarting", excluded=["w2"], ts=T0 + 2), T0 + 2)
+    assert [(e.migration_id, e.outcome) for e in h.finished()] == [(mid, "done")]
+    members = [wire.Member(r, n) for r, n in enumerate(["w0", "w1", "s0"])]
+    h.status(run_of(1, members=members, ts=T0 + 30), T0 + 30)
+    [new_run] = [e for e in h.emitted if isinstance(e, events.JobRestarted)]
+    assert (new_run.generation, new_run.step, new_run.run) == (0, 40, 1)
+    assert h.actuator.ledger.restarts_asked == {}  # what was asked of the old run is moot
+
+
+def test_a_new_run_whose_answer_was_lost_ends_the_restart_as_done(h: Harness) -> None:
+    h.status(run_of(0))
+    mid = ask(h).migration_id
+    members = [wire.Member(r, n) for r, n in enumerate(["w0", "w1", "s0"])]
+    h.status(run_of(1, members=members, ts=T0 + 30), T0 + 30)  # w2 gone, a spare in
+    [end] = h.finished()
+    assert (end.migration_id, end.outcome) == (mid, "done")
+    row = h.journal.migration(mid)
+    assert row is not None and row.detail["detail"] == "the job restarted"
+
+
+def test_a_status_of_an_earlier_run_delivered_late_changes_nothing(h: Harness) -> None:
+    h.status(run_of(0, step=90, ts=T0 + 10), T0 + 10)
+    h.status(run_of(1, step=40, ts=T0 + 30), T0 + 30)
+    assert len([e for e in h.emitted if isinstance(e, events.JobRestarted)]) == 1
+    moved = [wire.Member(r, n) for r, n in enumerate(["w0", "s0", "w2"])]
+    late = run_of(0, step=95, ts=T0 + 12, generation=1, members=moved)
+    assert h.status(late, T0 + 31) == []
+    assert len([e for e in h.emitted if isinstance(e, events.JobRestarted)]) == 1
+    assert h.journal.recent_migrations(0) == []  # not mistaken for a runtime failover
+    assert h.journal.memberships()[JOB].run == 1
+
+
+def test_a_job_launched_again_from_scratch_is_a_new_run_though_its_run_is_lower(
+    h: Harness,
+) -> None:
+    # A new launcher counts from 0 again: newer than the last status, it is no late one.
+    h.status(run_of(2, step=900, ts=T0))
+    h.status(run_of(0, step=0, ts=T0 + 600), T0 + 600)
+    [new_run] = [e for e in h.emitted if isinstance(e, events.JobRestarted)]
+    assert new_run.run == 0
+
+
+def test_a_restarted_daemon_keeps_the_run_it_saw(h: Harness) -> None:
+    h.status(run_of(0))
+    h.status(run_of(1, ts=T0 + 30), T0 + 30)
+    h.restart()
+    h.status(run_of(1, ts=T0 + 30), T0 + 60)  # the same retained status, on subscribe
+    assert len([e for e in h.emitted if isinstance(e, events.JobRestarted)]) == 1
+
+
+def test_the_restart_names_the_run_it_is_for_even_when_resumed(h: Harness) -> None:
+    h.status(run_of(3))
+    command = ask(h)
+    assert command.run == 3
+    h.restart()
+    h.status(run_of(3), T0 + 10)
+    [again] = h.actuator.reconcile(T0 + 12)
+    assert isinstance(again, wire.Restart) and again.run == 3
+
+
+@pytest.mark.parametrize("how", ["offline", "lost", "lost, then its agent reported"])
+def test_a_lost_machines_processes_are_not_asked_to_restart(h: Harness, how: str) -> None:
+    h.status(status(standbys={}))
+    if how == "offline":  # its agent's Last Will
+        h.view.apply_node_status(wire.NodeStatus(ts=T0, node="w2", state="offline"), T0)
+    else:  # a NodeLost on a heartbeat, as the daemon notes it when emitted
+        h.view.apply_gpu(wire.NodeGpu(ts=T0, node="w2"), T0)
+        h.view.note_fault("w2", T0 + 1, lost=True)
+    if how == "lost, then its agent reported":
+        h.view.apply_gpu(wire.NodeGpu(ts=T0 + 2, node="w2"), T0 + 2)
+        ask(h, T0 + 3)
+        return
+    assert h.actuator.on_event(restart(), T0 + 3) == []
+    [hold] = [e for e in h.emitted if isinstance(e, events.Hold)]
+    assert "w2 is lost" in hold.reason and hold.held == "failover"
+    assert h.journal.recent_migrations(0) == []
+
+
+def test_a_gpu_fault_is_no_loss_the_machines_processes_are_asked(h: Harness) -> None:
+    h.status(status(standbys={}))
+    h.view.note_fault("w2", T0)  # a GpuFault
+    ask(h, T0 + 1)
+
+
+def test_a_restart_nobody_answered_is_not_asked_for_a_second_time(h: Harness) -> None:
+    h.status(status(standbys={}))
+    mid = ask(h).migration_id
+    h.actuator.on_tick(T0 + 20)
+    assert [e.outcome for e in h.finished()] == ["failed"]
+    assert h.actuator.on_event(restart(), T0 + 21) == []
+    assert f"already asked to restart without it ({mid})" in h.holds()[-1]
+
+
+def test_a_machine_is_restarted_without_at_most_once_per_cooldown(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "j.sqlite3", node_cooldown_s=600)
+    h.status(run_of(0))
+    ask(h)
+    h.status(run_of(1, ts=T0 + 60), T0 + 60)  # a new run, the machine still in it
+    assert h.actuator.on_event(restart(), T0 + 61) == []
+    assert (
+        "asked to restart without w2 61 s ago (guardrails.node_cooldown_s = 600)" in (h.holds()[-1])
+    )
+    h.restart()  # a restarted daemon remembers it from the journal
+    h.status(run_of(1, ts=T0 + 60), T0 + 62)
+    h.actuator.reconcile(T0 + 62)
+    assert h.actuator.on_event(restart(), T0 + 63) == []
+    assert "node_cooldown_s" in h.holds()[-1]
+    ask(h, T0 + 600)
+
+
+def test_a_machine_the_jobs_status_excludes_is_not_asked_for(h: Harness) -> None:
+    h.status(replace(status(standbys={}), excluded=["w2"]))
+    assert h.actuator.on_event(restart(), T0) == []
+    assert "already goes on without it" in h.holds()[-1]
+
+
+def test_a_job_that_stopped_did_not_restart(h: Harness) -> None:
+    h.status(status(standbys={}))
+    mid = ask(h).migration_id
+    h.status(status(standbys={}, state="stopped", ts=T0 + 2), T0 + 2)
+    [end] = h.finished()
+    assert (end.migration_id, end.outcome) == (mid, "aborted")
+    row = h.journal.migration(mid)
+    assert row is not None and row.detail["detail"] == "the job stopped"
