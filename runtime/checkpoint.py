@@ -185,7 +185,11 @@ def agreed_latest(session: Session) -> int | None:
         step = latest_step(_root(session))
         put(session.store, key, json.dumps(step).encode())
         return step
-    session.store.wait([key], session.config.group_timeout)
+    try:
+        session.store.wait([key], session.config.group_timeout)
+    except RuntimeError:  # rank 0 died while writing: the restart goes on, from what is there
+        log.warning("rank 0 did not say which checkpoint the restart resumes from")
+        return latest_step(_root(session))
     found: int | None = json.loads(bytes(session.store.get(key)))
     return found
 
