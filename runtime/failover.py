@@ -9,11 +9,13 @@ Each survivor then:
 
 1. registers as alive for the current generation in the store and waits for the
    others: until ``world - 1`` registered, or the missing ranks are whole machines
-   and nobody registered for the settle time (``SessionConfig.detect_settle``, at
-   least two median steps), or ``detect_timeout``. What it saw (the machines with
-   a missing rank, every survivor outside them at the same step; or not) is its
-   proposal; the first proposal stored wins (``compare_set``), so all survivors act
-   on one decision even when their views raced. A live process on a lost machine leaves the job;
+   none of whose processes answered as present (``liveness.Presence``, a thread in
+   every worker: a live member still computing its step answers at once) and nobody
+   registered for ``SessionConfig.detect_settle``, or ``detect_timeout``. What it
+   saw (the machines with a missing rank, every survivor outside them at the same
+   step; or not) is its proposal; the first proposal stored wins (``compare_set``),
+   so all survivors act on one decision even when their views raced. A live process
+   on a lost machine leaves the job;
 2. the lowest surviving rank waits up to ``standby_wait`` for one ready standby
    machine of the right size per lost machine and publishes the plan, addressed
    to every slot of those standbys; each rank to replace gets a *donor*, the
@@ -61,6 +63,7 @@ from tmd.runtime.checkpoint import latest_step
 from tmd.runtime.control import put, standbys
 from tmd.runtime.env import slot_name
 from tmd.runtime.group import make_group
+from tmd.runtime.liveness import fail_prefix, present, wake
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.transfer import Kind, TransferChannel
 
@@ -110,10 +113,6 @@ def plan_key(slot: str) -> str:
     return f"tmd/failover/{slot}"
 
 
-def _prefix(generation: int) -> str:
-    return f"tmd/fail/g{generation}"
-
-
 class Replaced(MigrationError):
     """This process's machine was counted lost and replaced (it registered too late,
     or a sibling on its machine died): the job goes on without this process, so this
@@ -122,7 +121,7 @@ class Replaced(MigrationError):
 
 def failure_reported(store: Store, generation: int) -> bool:
     """Has a member of ``generation`` reported a failed collective?"""
-    return bool(store.check([f"{_prefix(generation)}/alive"]))
+    return bool(store.check([f"{fail_prefix(generation)}/alive"]))
 
 
 def recover(session: Session, error: BaseException, *, collective_started: float) -> Recovery:
@@ -131,7 +130,7 @@ def recover(session: Session, error: BaseException, *, collective_started: float
     no standby machine can take a lost machine's place this acks ``failed`` and
     raises ``RestartRequired``; a process on a lost machine raises ``Replaced``."""
     gen = session.membership.generation
-    prefix, migration_id = _prefix(gen), f"failover-g{gen}"
+    prefix, migration_id = fail_prefix(gen), f"failover-g{gen}"
     try:
         decision = _agree(session, prefix)
         detect_s = time.monotonic() - collective_started
@@ -149,25 +148,28 @@ def recover(session: Session, error: BaseException, *, collective_started: float
 
 def _wait_for_survivors(session: Session, prefix: str) -> None:
     """Until there is no point waiting for more members to register as alive: all but
-    one did; or the missing ranks make up whole machines and nobody registered for the
-    settle time (``detect_settle``, at least two median steps: a survivor registers
-    once its own compute of the step ends, so one slower by less than that is not
-    taken for dead); or a decision is already stored; or ``detect_timeout``."""
+    one did; or the missing ranks make up whole machines, none of their processes
+    answered as present (``liveness.Presence``: a live one still computing its step
+    does, at once) and nobody registered for ``detect_settle``; or a decision is
+    already stored; or ``detect_timeout``."""
     store, world, cfg = session.store, session.world_size, session.config
+    gen = session.membership.generation
     now = time.monotonic()
     deadline = now + cfg.detect_timeout.total_seconds()
-    settle = max(cfg.detect_settle.total_seconds(), 2 * session.timing.median_step_s())
-    last, changed, partial = -1, now, True
+    settle = cfg.detect_settle.total_seconds()
+    last, changed, alive = -1, now, set[int]()
     while True:
         count = int(store.add(f"{prefix}/alive", 0))
         now = time.monotonic()
         if count != last:
-            last, changed = count, now
-            partial = _partial(session, prefix)
+            last, changed, alive = count, now, set(_alive(session, prefix))
         if count >= world - 1 or now > deadline or store.check([f"{prefix}/decision"]):
             return
-        if now - changed >= settle and not partial:
-            return
+        if now - changed >= settle and not _partial(session, alive):
+            missing = set(range(world)) - alive
+            if not missing & present(store, gen):
+                return
+            time.sleep(0.01)  # a live member is on its way: wait for it
         time.sleep(0.002)
 
 
@@ -179,9 +181,8 @@ def _alive(session: Session, prefix: str) -> list[int]:
     return sorted({int(r) for r in listed if r})
 
 
-def _partial(session: Session, prefix: str) -> bool:
+def _partial(session: Session, alive: set[int]) -> bool:
     """Is a machine missing only some of its ranks (the rest may still register)?"""
-    alive = set(_alive(session, prefix))
     return any(
         0 < len(alive & set(ranks)) < len(ranks) for ranks in session.membership.machines().values()
     )
@@ -194,6 +195,7 @@ def _agree(session: Session, prefix: str) -> Decision:
     put(store, f"{prefix}/alive/{me}", str(session.state.step).encode())
     store.append(f"{prefix}/alive-list", f"{me},")  # type: ignore[attr-defined]
     store.add(f"{prefix}/alive", 1)
+    wake(store, gen)  # every live member's Presence answers
     _wait_for_survivors(session, prefix)
     alive = _alive(session, prefix)
     lost = sorted({membership.nodes[r] for r in range(world) if r not in alive})

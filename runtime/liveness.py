@@ -1,17 +1,28 @@
-"""Is the joiner still there while a prepared migration sits idle?
+"""Who is still there: the joiner while a prepared migration sits idle, and every
+member after a collective failed.
 
 While the leaver streams state, a dead joiner shows up as a failed send. Between
 ``prepared`` and the switch request nothing flows, and gloo offers no cheap way to
 watch an idle pair (a receive that outlives the group timeout closes the pair). So
 the joiner beats a timestamp into the job's store from a thread, and the leaver
 reads it from another thread; the step boundary only reads a flag.
+
+After a collective failed, the survivors must tell a dead member from a slow one (one
+still computing its step registers as alive only once it reaches the collective).
+Every worker keeps a thread blocked in the store on its generation's wake key
+(``Presence``), which costs the store nothing while nothing fails; the first survivor
+sets that key, and every live process's thread answers at once, whatever its
+training thread is doing. A process that does not answer is dead.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+
+from torch._C._distributed_c10d import Store
 
 from tmd.runtime.control import put
 from tmd.runtime.group import StoreAddress, connect_store
@@ -19,6 +30,73 @@ from tmd.runtime.group import StoreAddress, connect_store
 
 def heartbeat_key(node: str) -> str:
     return f"tmd/alive/{node}"
+
+
+def fail_prefix(generation: int) -> str:
+    """Where the survivors of a failed collective of ``generation`` agree."""
+    return f"tmd/fail/g{generation}"
+
+
+def wake_key(generation: int) -> str:
+    """Set once a member of ``generation`` reported a failure, or moved on from it."""
+    return f"{fail_prefix(generation)}/wake"
+
+
+def present_key(generation: int) -> str:
+    """The ranks of ``generation`` whose process answered the wake: alive."""
+    return f"{fail_prefix(generation)}/present"
+
+
+def wake(store: Store, generation: int) -> None:
+    """Wake every ``Presence`` of ``generation``."""
+    put(store, wake_key(generation), b"1")
+
+
+def present(store: Store, generation: int) -> set[int]:
+    if not store.check([present_key(generation)]):
+        return set()
+    listed = bytes(store.get(present_key(generation))).decode().split(",")
+    return {int(r) for r in listed if r}
+
+
+class Presence:
+    """A worker's thread that answers, for its current generation and rank (``where``),
+    that this process is alive once a failure of that generation is reported (a member
+    set the wake key and ``failed(generation)`` holds). A wake without a failure
+    means the generation moved on; it then follows the new one."""
+
+    def __init__(
+        self,
+        store: StoreAddress,
+        where: Callable[[], tuple[int, int]],
+        failed: Callable[[Store, int], bool],
+    ) -> None:
+        self._store = connect_store(store, timeout=timedelta(days=1))
+        self._where = where
+        self._failed = failed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tmd-presence", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            generation, rank = self._where()
+            try:
+                self._store.wait([wake_key(generation)])
+                # Woken: a failure, or the generation moved on (a switch, or a member
+                # that ended); a failure may still follow while it has not.
+                while not self._stop.is_set() and self._where()[0] == generation:
+                    if self._failed(self._store, generation):
+                        self._store.append(present_key(generation), f"{rank},")  # type: ignore[attr-defined]
+                        break
+                    self._stop.wait(0.5)
+            except RuntimeError:
+                return  # the store is gone: so is the job
+            while not self._stop.is_set() and self._where()[0] == generation:
+                self._stop.wait(0.02)  # until this process moves to the next generation
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 class Heartbeat:

@@ -41,7 +41,7 @@ import torch
 
 from tmd import wire
 from tmd.errors import ConfigError, MigrationError, RestartRequired
-from tmd.runtime import checkpoint, standby
+from tmd.runtime import checkpoint, liveness, standby
 from tmd.runtime.commands import AckKind, Commands
 from tmd.runtime.control import ControlChannel, StoreControl
 from tmd.runtime.env import RuntimeEnv
@@ -96,6 +96,7 @@ class Session:
         self.excluded: list[str] = []
         """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
+        self._presence: liveness.Presence | None = None  # a worker's, once it is one
         self.store = connect_store(self.env.store, timeout=self.config.store_timeout)
         self.telemetry = Telemetry(None, job=self.env.job, node=self.env.node, rank=self.rank)
 
@@ -132,6 +133,7 @@ class Session:
             # last collectives (a failed one, the switch's confirmation) may still
             # be in flight.
             self._retired.append(self._group)
+            liveness.wake(self.store, self._membership.generation)  # Presence moves on
         self._group = change.group
         self._membership = change.membership
         self._rank = change.rank
@@ -139,6 +141,11 @@ class Session:
         if change.median_step_s is not None:
             self.timing.inherit(change.median_step_s)
         self.telemetry.set_rank(self._rank, self._membership.generation)
+        if self._presence is None:
+            self._presence = liveness.Presence(
+                self.env.store, lambda: (self._membership.generation, self._rank),
+                failure_reported,
+            )  # fmt: skip
         if change.switch is not None:
             self._pending_switch = change.switch
             self.timing.mark_step_end(change.switch.resumed)
@@ -208,6 +215,10 @@ class Session:
             self.publish_status("restarting" if self.excluded else state)
         self.telemetry.close()
         self.control.close()
+        if self._presence is not None:
+            self._presence.close()
+            with contextlib.suppress(RuntimeError):  # let its thread go before the store
+                liveness.wake(self.store, self._membership.generation)
 
     # -- the user's loop ---------------------------------------------------------------
 

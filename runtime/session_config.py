@@ -41,9 +41,9 @@ class SessionConfig:
     which rank died."""
     detect_settle: timedelta = timedelta(milliseconds=250)
     """Survivors stop waiting for each other once the missing ranks make up whole
-    machines and nobody registered for this long, or for two median steps if that is
-    longer (a machine's ranks die together; a live survivor registers once its own
-    compute of the step ends). A survivor later than that is counted lost."""
+    machines, none of their processes answered as present, and nobody registered for
+    this long (a machine's ranks die together). A live member still computing its
+    step answers as present from a thread at once, and is waited for."""
     status_every: int = 100
     """Steps between two status publications by rank 0 (plus one at every change)."""
     standby_wait: timedelta = timedelta(seconds=5)

@@ -23,8 +23,8 @@ def test_demo_migrates_the_slow_machine_and_draws_the_timeline(tmp_path: Path) -
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "broker EmbeddedBroker" in out
-    assert "StragglerFound: worker2" in out
-    assert "MigrationFinished: worker2 -> standby0, done" in out
+    assert "StragglerFound: worker1" in out
+    assert "MigrationFinished: worker1 -> standby0, done" in out
     summary = out[out.index("SUMMARY") :]
     for line in ("detection latency", "downtime", "checkpoint-restart", "step gap", "ratio"):
         assert line in summary

@@ -2,13 +2,15 @@
 
 Everything is real except the slowness, which is injected: a broker (mosquitto when
 installed, else the embedded one), the daemon (ingest, detectors, policies, actuator,
-journal, HTTP API), and a 4-rank data-parallel training job with one standby
-(``tmd.tools.bench.downtime``'s GPT-style decoder, AdamW, gloo on CPU, trained on the
-Python standard library's sources) whose telemetry and control go over MQTT. From
-step ``SLOW_FROM`` one machine (``worker2``) takes ``--slow-s`` longer per step. The
-straggler detector finds it, the rebalance policy decides at its next tick, and the
-actuator migrates it to the pre-warmed standby while the job trains on. Then the
-same job is checkpoint-restarted, to compare the downtime of the two.
+journal, HTTP API), and a 4-rank data-parallel training job on two machines of two
+ranks (``worker0``, ``worker1``) with one standby machine of two slots
+(``standby0``): ``tmd.tools.bench.downtime``'s GPT-style decoder, AdamW, gloo on CPU,
+trained on the Python standard library's sources, its telemetry and control over
+MQTT. From step ``SLOW_FROM`` GPU 1 of ``worker1`` (its rank of local rank 1) takes
+``--slow-s`` longer per step. The straggler detector finds the machine, the
+rebalance policy decides at its next tick, and the actuator migrates the whole
+machine, both of its ranks, to the pre-warmed standby machine while the job trains
+on. Then the same job is checkpoint-restarted, to compare the downtime of the two.
 
 Prints the events as they happen, a summary (detection latency, downtime, the ratio
 against checkpoint-restart) and writes a PNG timeline of every rank's step times.
@@ -36,7 +38,9 @@ from tmd.tools.bench import measure
 
 JOB = "demo"
 NPROC = 4
-SLOW_NODE = "worker2"
+PER_NODE = 2
+SLOW_NODE = "worker1"  # the machine ...
+SLOW_GPU = f"{SLOW_NODE}/1"  # ... of which one GPU (local rank 1) is slow
 SLOW_FROM = 12
 AFTER_STEPS = 25  # steps the job runs on after the migration
 STOP_KEY = "demo/last_step"
@@ -111,17 +115,19 @@ async def _demo(
     _say(f"tmd demo: broker {broker_kind} on {host}:{port}; daemon API {api}")
     _say(f"  (in another shell: tmd status --api {api}   tmd events --api {api})")
     _say(
-        f"  starting a {NPROC}-rank training job and 1 standby; from step {SLOW_FROM}, "
+        f"  starting a {NPROC}-rank training job on {NPROC // PER_NODE} machines of {PER_NODE} "
+        f"ranks, and 1 standby machine of {PER_NODE} slots; from step {SLOW_FROM}, GPU 1 of "
         f"{SLOW_NODE} takes {slow_s:g} s longer per step (injected)"
     )
     p = _Progress()
     cmd = [
         sys.executable, "-m", "tmd.tools.bench.downtime", "worker", "--steps", "100000",
-        "--out", str(out / "job"), "--layers", str(LAYERS), "--slow-node", SLOW_NODE,
+        "--out", str(out / "job"), "--layers", str(LAYERS), "--slow-node", SLOW_GPU,
         "--slow-s", str(slow_s), "--slow-from", str(SLOW_FROM), "--stop-key", STOP_KEY,
     ]  # fmt: skip
     (out / "job").mkdir(parents=True, exist_ok=True)
-    job = LocalJob(cmd, nproc=NPROC, standby=1, job=JOB, broker=f"{host}:{port}")
+    job = LocalJob(cmd, nproc=NPROC, standby=1, nproc_per_node=PER_NODE, job=JOB,
+                   broker=f"{host}:{port}")  # fmt: skip
     seen: dict[str, Any] = {}
     try:
         await _watch(daemon, sub, job, p, seen)
@@ -253,7 +259,7 @@ def _checkpoint_restart(out: Path) -> dict[str, Any]:
     from tmd.tools.bench import downtime
 
     args = argparse.Namespace(nproc=NPROC, steps=10, switch_at=6, layers=LAYERS)
-    result = downtime._checkpoint_restart(out, args)
+    result = downtime._checkpoint_restart(out, args, per_node=PER_NODE)
     result.pop("loss", None)
     return result
 
@@ -345,11 +351,12 @@ def _plot(records: list[dict[str, Any]], summary: dict[str, Any], png: Path) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
-    for r in sorted(records, key=lambda r: r["node"]):
+    for r in sorted(records, key=lambda r: (r["node"], r.get("local_rank", 0))):
         rows = [row for row in r["steps"]]
         if not rows:
             continue
-        label = r["node"] + (" (slowed)" if r["node"] == SLOW_NODE else "")
+        name = f"{r['node']}/{r.get('local_rank', 0)}"
+        label = name + (" (slowed GPU)" if name == SLOW_GPU else "")
         if r["role"] == "standby":
             label += f" (joined as rank {rows[0][0]})"
         ax.plot([row[1] for row in rows], [row[4] for row in rows], marker=".", lw=1, label=label)

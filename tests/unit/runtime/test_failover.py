@@ -1,6 +1,7 @@
 """The survivors' agreement on which machines were lost (``failover._agree``), on a
 real TCPStore, each survivor in its own thread: whole machines, part of a machine,
-a slow survivor, survivors at different steps."""
+a slow survivor (whose ``Presence`` answers), a silent one, survivors at different
+steps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from tmd.runtime import failover
 from tmd.runtime.group import StoreAddress, connect_store
 from tmd.runtime.launch import host_store
+from tmd.runtime.liveness import Presence
 from tmd.runtime.membership import Membership
 from tmd.runtime.session import Session
 from tmd.runtime.session_config import SessionConfig
@@ -92,14 +94,24 @@ def test_a_machine_that_lost_one_rank_is_lost_and_its_live_rank_leaves(
     assert isinstance(results[2], failover.Replaced)
 
 
-def test_a_survivor_slower_than_the_others_by_less_than_two_steps_is_not_lost(
-    store: StoreAddress,
-) -> None:
-    # One rank per machine: rank 3 died, rank 2 registers 0.4 s after the others. Its
-    # median step is 0.3 s, so the survivors wait at least 0.6 s for it.
+def test_a_survivor_still_computing_is_waited_for_not_counted_lost(store: StoreAddress) -> None:
+    # One rank per machine: rank 3 died; rank 2 is alive but registers 1 s after the
+    # others (still computing its step). Its process's Presence answers at once, so
+    # the survivors wait for it, far past the settle time.
     four = Membership(0, ("n0", "n1", "n2", "n3"))
-    results = _agree(store, four, {0: 0.0, 1: 0.0, 2: 0.4}, median_step_s=0.3)
+    presence = Presence(store, lambda: (0, 2), failover.failure_reported)
+    try:
+        results = _agree(store, four, {0: 0.0, 1: 0.0, 2: 1.0})
+    finally:
+        presence.close()
     assert {r: v["lost"] for r, v in results.items()} == {0: ["n3"], 1: ["n3"], 2: ["n3"]}
+
+
+def test_a_member_that_neither_registers_nor_answers_is_lost(store: StoreAddress) -> None:
+    # The same, without rank 2's Presence: a process that does not answer is dead.
+    four = Membership(0, ("n0", "n1", "n2", "n3"))
+    results = _agree(store, four, {0: 0.0, 1: 0.0})
+    assert results[0] == {"action": "replace", "alive": [0, 1], "lost": ["n2", "n3"]}
 
 
 def test_survivors_at_different_steps_roll_back(store: StoreAddress) -> None:

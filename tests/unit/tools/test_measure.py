@@ -157,7 +157,7 @@ def test_losses_and_loss_match_read_every_rank_and_step(tmp_path: Path) -> None:
     for r in range(2):
         steps = [row(r, s, s, loss=2.0 - s / 10 + 1e-7) for s in range(3)]
         (tmp_path / f"worker{r}.json").write_text(json.dumps({"steps": steps}))
-    (tmp_path / "killed.json").write_text(json.dumps({"t_kill": 1.0}))  # not a record
+    (tmp_path / "killed-1.json").write_text(json.dumps({"t_kill": 1.0}))  # not a record
 
     got = measure.losses(tmp_path)
 
@@ -166,6 +166,63 @@ def test_losses_and_loss_match_read_every_rank_and_step(tmp_path: Path) -> None:
     assert not measure.loss_match({**got, (1, 2): got[(1, 2)] + 1e-5}, reference)
     missing = {k: v for k, v in got.items() if k != (0, 1)}
     assert not measure.loss_match(missing, reference)
+    # After a failover the killed rank's losses are missing; the rest must still match.
+    assert measure.loss_match(missing, reference, complete=False)
+    assert not measure.loss_match({**missing, (1, 2): 0.0}, reference, complete=False)
+    assert not measure.loss_match({**missing, (2, 0): 2.0}, reference, complete=False)
+
+
+def test_a_machines_processes_each_leave_a_record_and_the_first_kill_counts(
+    tmp_path: Path,
+) -> None:
+    # Two processes of worker1 share its node name; each kills itself, a little apart.
+    for local in range(2):
+        record = {"node": "worker1", "local_rank": local, "steps": [row(2 + local, 0, 1.0)]}
+        (tmp_path / f"worker1-{local}.json").write_text(json.dumps(record))
+        (tmp_path / f"killed-{2 + local}.json").write_text(json.dumps({"t_kill": 5.0 + local}))
+
+    assert [r["local_rank"] for r in measure.records(tmp_path)] == [0, 1]
+    assert measure.killed_at(tmp_path) == 5.0
+
+
+def machine(**changed: Any) -> dict[str, Any]:
+    """A machine's result that holds every target, with ``changed`` fields replaced."""
+    m: dict[str, Any] = {
+        "downtime_s": 0.1, "runtime_downtime_s": 0.12, "median_step_s": 0.4,
+        "ratio_checkpoint_restart_vs_noise": 80.0, "failover_downtime_s": 1.0,
+        "failover": {"runtime_downtime_s": 1.1}, "loss_match": True,
+        "loss_match_checkpoint_restart": True, "loss_match_failover": True,
+        "stayer_rss_overhead": 0.01,
+    }  # fmt: skip
+    return {**m, **changed}
+
+
+@pytest.mark.parametrize(
+    ("changed", "missed"),
+    [
+        ({}, []),
+        # The runtime's measure counts too: 0.5 s is more than a 0.4 s step.
+        ({"runtime_downtime_s": 0.5}, ["live downtime 0.500 s > one median step 0.400 s"]),
+        ({"ratio_checkpoint_restart_vs_noise": 29.9}, ["checkpoint-restart ratio 29.9 < 30"]),
+        (
+            {"ratio_checkpoint_restart_vs_noise": None},
+            ["checkpoint-restart ratio not measurable (step noise unknown)"],
+        ),
+        ({"failover": {"runtime_downtime_s": 2.5}}, ["failover downtime 2.500 s > 2 s"]),
+        ({"failover_downtime_s": 2.1, "failover": {"runtime_downtime_s": None}},
+         ["failover downtime 2.100 s > 2 s"]),
+        ({"loss_match_failover": False},
+         ["loss_match_failover false: not the reference job's training"]),
+        ({"stayer_rss_overhead": 0.021}, ["stayer RSS overhead 0.021 > 0.02"]),
+        ({"downtime_s": 0.4, "runtime_downtime_s": None, "stayer_rss_overhead": 0.02}, []),
+    ],
+    ids=["holds", "live", "ratio", "no-ratio", "failover-runtime", "failover-records",
+         "loss", "rss", "at-the-limits"],
+)  # fmt: skip
+def test_a_machine_misses_each_target_for_its_own_reason(
+    changed: dict[str, Any], missed: list[str]
+) -> None:
+    assert measure.machine_shortfalls(machine(**changed)) == missed
 
 
 def test_the_load_says_how_busy_the_machine_was() -> None:

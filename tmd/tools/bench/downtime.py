@@ -27,7 +27,8 @@ all K ranks) to a standby machine of K slots, ``checkpoint_restart`` restarts th
 job, and ``failover`` SIGKILLs all K processes of ``worker1`` mid-step with one
 standby machine ready. Its ``shortfalls`` say which targets missed
 (``measure.machine_shortfalls``) and ``holds_target`` whether none did. With K = 1,
-``machine`` is null.
+``machine`` is null; with ``--machine-only`` the runs on machines of one process are
+skipped and their fields left out.
 
 The same module is the benchmark's training script (``python -m
 tmd.tools.bench.downtime worker ...``), so the job trained is exactly the one measured.
@@ -123,7 +124,11 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=64)
     # `tmd demo`: one machine made slow, and a stop step the controller sets later.
-    parser.add_argument("--slow-node", default="", help="TMD_NODE whose compute is slowed")
+    parser.add_argument(
+        "--slow-node", default="",
+        help="the machine (TMD_NODE) whose ranks' compute is slowed, or one of its ranks "
+        "(NODE/LOCAL_RANK: one slow GPU)",
+    )  # fmt: skip
     parser.add_argument("--slow-s", type=float, default=0.0, help="seconds added to each step")
     parser.add_argument("--slow-from", type=int, default=0, help="from this step on")
     parser.add_argument("--stop-key", default="", help="store key holding the last step")
@@ -172,7 +177,8 @@ def worker(argv: list[str]) -> int:
                 logits.reshape(-1, 256), batch[:, 1:].reshape(-1)
             )
             loss.backward()  # type: ignore[no-untyped-call]
-            if env.node == args.slow_node and s.role == "worker" and step >= args.slow_from:
+            slowed = args.slow_node in (env.node, env.slot)
+            if slowed and s.role == "worker" and step >= args.slow_from:
                 time.sleep(args.slow_s)  # an injected straggler: a slow GPU, throttled clocks
             if env.role == "worker" and env.rank in args.kill_rank and step == args.at_step:
                 kill = json.dumps({"t_kill": time.time()})
@@ -378,10 +384,62 @@ def _reference(
     return {(r[0], r[1]): r for r in measure.step_rows(measure.records(out))}
 
 
+def _one_process_machines(
+    out: Path, args: argparse.Namespace, progress: Progress
+) -> dict[str, Any]:
+    """Every method on machines of one process, against a reference run."""
+    progress.say(f"reference run: {args.nproc} ranks, {args.steps} steps")
+    reference = _reference(out / "reference", args)
+    progress.say("live migration")
+    live = _migration(out / "live", args, reference, cold=False)
+    progress.say("cold standby")
+    cold = _migration(out / "cold", args, reference, cold=True)
+    progress.say("checkpoint-restart")
+    restart = _checkpoint_restart(out / "restart", args)
+    progress.say("failover (a rank killed mid-step)")
+    failover = _failover(out / "failover", args)
+    failover_losses = failover.pop("loss")
+    noise = measure.step_noise(list(reference.values()))
+    for method in (live, cold, failover):
+        method["ratio_checkpoint_restart_vs_noise"] = measure.ratio(
+            restart["downtime_s"], measure.worst(method), noise
+        )
+    return {
+        "live": live,
+        "cold_standby": cold,
+        "checkpoint_restart": restart,
+        "median_step_s": live["median_step_s"],
+        # How far an ordinary step of the unmigrated run strays (p90): a downtime
+        # below it is not measurable.
+        "step_noise_s": noise,
+        # The headline: checkpoint-restart's downtime over the larger of the live
+        # downtime (the worse of the step records' and the runtime's) and the
+        # noise, so a live downtime lost in the noise cannot inflate it.
+        "ratio_checkpoint_restart_vs_noise": live["ratio_checkpoint_restart_vs_noise"],
+        # The plain ratio only where the live downtime is above the noise.
+        "ratio_checkpoint_restart": measure.above_noise(
+            restart["downtime_s"], measure.worst(live), noise
+        ),
+        "ratio_cold_standby_vs_noise": measure.ratio(
+            measure.worst(cold), measure.worst(live), noise
+        ),
+        "loss_match": measure.loss_match(measure.losses(out / "live"), reference),
+        "loss_match_cold_standby": measure.loss_match(measure.losses(out / "cold"), reference),
+        "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
+        # the killed rank's losses before the kill died with it
+        "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
+        "failover": failover,
+        "stayer_rss_overhead": live.get("stayer_rss_overhead"),
+        "telemetry_overhead": _telemetry_overhead(live["median_step_s"]),
+        "prepare_slowdown": live.get("prepare_slowdown"),
+        "lockstep_slowdown": live.get("lockstep_slowdown"),
+    }
+
+
 def _machine(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
-    """The job on machines of ``--nproc-per-node`` ranks: ``worker1``'s all moved live,
-    the job checkpoint-restarted, and ``worker1`` lost whole, each measured as on
-    machines of one process, against a reference run at the same layout."""
+    """The job on machines of ``--nproc-per-node`` ranks: every rank of ``worker1``
+    moved live, the job checkpoint-restarted, and ``worker1`` lost whole, each measured
+    as on machines of one process, against a reference run at the same layout."""
     k = args.nproc_per_node
     progress.say(f"machines of {k} ranks: reference run")
     reference = _reference(out / "reference", args, per_node=k)
@@ -465,66 +523,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="also measure on machines of this many ranks ('machine'); "
                         "--nproc must be a multiple, of at least two machines")  # fmt: skip
+    parser.add_argument("--machine-only", action="store_true",
+                        help="only the runs on machines of --nproc-per-node ranks: 'machine', "
+                        "without the fields of machines of one process")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs' records here")
     args = parser.parse_args(argv)
     k = args.nproc_per_node
     if k < 1 or args.nproc % k or args.nproc // k < 2:
         parser.error("--nproc must be a multiple of --nproc-per-node, of at least two machines")
+    if args.machine_only and k == 1:
+        parser.error("--machine-only needs --nproc-per-node above 1")
     load = measure.Load()
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as tmp:
         out = args.out or Path(tmp)
         progress = Progress()
-        progress.say(f"reference run: {args.nproc} ranks, {args.steps} steps")
-        reference = _reference(out / "reference", args)
-        progress.say("live migration")
-        live = _migration(out / "live", args, reference, cold=False)
-        progress.say("cold standby")
-        cold = _migration(out / "cold", args, reference, cold=True)
-        progress.say("checkpoint-restart")
-        restart = _checkpoint_restart(out / "restart", args)
-        progress.say("failover (a rank killed mid-step)")
-        failover = _failover(out / "failover", args)
-        failover_losses = failover.pop("loss")
-        noise = measure.step_noise(list(reference.values()))
-        for method in (live, cold, failover):
-            method["ratio_checkpoint_restart_vs_noise"] = measure.ratio(
-                restart["downtime_s"], measure.worst(method), noise
-            )
-        result: dict[str, Any] = {
-            "nproc": args.nproc,
-            "nproc_per_node": k,
-            "steps": args.steps,
-            "live": live,
-            "cold_standby": cold,
-            "checkpoint_restart": restart,
-            "median_step_s": live["median_step_s"],
-            # How far an ordinary step of the unmigrated run strays (p90): a downtime
-            # below it is not measurable.
-            "step_noise_s": noise,
-            # The headline: checkpoint-restart's downtime over the larger of the live
-            # downtime (the worse of the step records' and the runtime's) and the
-            # noise, so a live downtime lost in the noise cannot inflate it.
-            "ratio_checkpoint_restart_vs_noise": live["ratio_checkpoint_restart_vs_noise"],
-            # The plain ratio only where the live downtime is above the noise.
-            "ratio_checkpoint_restart": measure.above_noise(
-                restart["downtime_s"], measure.worst(live), noise
-            ),
-            "ratio_cold_standby_vs_noise": measure.ratio(
-                measure.worst(cold), measure.worst(live), noise
-            ),
-            "loss_match": measure.loss_match(measure.losses(out / "live"), reference),
-            "loss_match_cold_standby": measure.loss_match(measure.losses(out / "cold"), reference),
-            "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
-            # the killed rank's losses before the kill died with it
-            "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
-            "failover": failover,
-            "stayer_rss_overhead": live.get("stayer_rss_overhead"),
-            "telemetry_overhead": _telemetry_overhead(live["median_step_s"]),
-            "prepare_slowdown": live.get("prepare_slowdown"),
-            "lockstep_slowdown": live.get("lockstep_slowdown"),
-            "machine": _machine(out / "machine", args, progress) if k > 1 else None,
-        }
+        result: dict[str, Any] = {"nproc": args.nproc, "nproc_per_node": k, "steps": args.steps}
+        if not args.machine_only:
+            result.update(_one_process_machines(out, args, progress))
+        result["machine"] = _machine(out / "machine", args, progress) if k > 1 else None
         progress.say("done")
     result["host_load"] = load.as_dict()
     print(json.dumps(result, indent=None))
