@@ -98,6 +98,12 @@ class Presence:
     def close(self) -> None:
         self._stop.set()
 
+    def join(self, timeout: timedelta) -> None:
+        """Wait for the thread to end (``close`` it and wake it first). A process must
+        not exit with it inside the store's wait: a thread that comes back from C++
+        while the interpreter finalizes aborts the process."""
+        self._thread.join(timeout.total_seconds())
+
 
 class Heartbeat:
     """Writes ``time.time()`` under this node's key every ``interval`` until closed."""

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -219,6 +220,7 @@ class Session:
             self._presence.close()
             with contextlib.suppress(RuntimeError):  # let its thread go before the store
                 liveness.wake(self.store, self._membership.generation)
+            self._presence.join(timedelta(seconds=5))
 
     # -- the user's loop ---------------------------------------------------------------
 
