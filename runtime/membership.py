@@ -53,8 +53,11 @@ class Membership:
         return tuple(ranks)
 
     def machines(self) -> dict[str, tuple[int, ...]]:
-        """Every machine and its ranks, by local rank."""
-        return {node: self.ranks_of(node) for node in dict.fromkeys(self.nodes)}
+        """Every machine and its ranks, by local rank (one pass over the ranks)."""
+        found: dict[str, list[int]] = {}
+        for rank in sorted(range(len(self.nodes)), key=self.local_rank):
+            found.setdefault(self.nodes[rank], []).append(rank)
+        return {node: tuple(found[node]) for node in dict.fromkeys(self.nodes)}
 
     def members(self) -> list[wire.Member]:
         return [
