@@ -319,12 +319,26 @@ class JobController:
         while True:
             mine = [a for a in self.acks() if a.migration_id == migration_id]
             if kind != "failed" and any(a.kind == "failed" for a in mine):
-                raise MigrationError(f"{migration_id}: {[a.detail for a in mine]}")
+                said = "; ".join(f"{a.node}/{a.local_rank} {a.kind}: {a.detail}" for a in mine)
+                raise MigrationError(f"{migration_id}: {said}")
             found = [a for a in mine if a.kind == kind]
             if len({(a.node, a.local_rank) for a in found}) >= count:  # a repeat counts once
                 return found
             if time.monotonic() > deadline:
                 raise MigrationError(f"{migration_id}: {len(found)}/{count} {kind} acks")
+            time.sleep(0.02)
+
+    def wait_standbys(self, *nodes: str, timeout: timedelta = timedelta(seconds=60)) -> None:
+        """Block until every standby machine in ``nodes`` is ``ready`` (each of its
+        slots warmed up and waiting for a ``Prepare``), as the daemon waits before it
+        names a joiner; raises MigrationError on timeout."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            ready = {s.node for s in standbys(self._store) if s.state == "ready"}
+            if ready >= set(nodes):
+                return
+            if time.monotonic() > deadline:
+                raise MigrationError(f"standbys not ready: {sorted(set(nodes) - ready)}")
             time.sleep(0.02)
 
     def status(self) -> wire.JobStatus | None:

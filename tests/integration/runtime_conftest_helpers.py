@@ -52,6 +52,10 @@ def train(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sleep", type=float, default=0.02)
+    parser.add_argument(
+        "--hold", default="", help="while this file exists, each step sleeps --held-sleep"
+    )
+    parser.add_argument("--held-sleep", type=float, default=0.25)
     parser.add_argument("--out", required=True)
     parser.add_argument("--shadow-steps", type=int, default=2)
     parser.add_argument("--fault", default="", help="inject a failure (tests)")
@@ -115,8 +119,9 @@ def train(argv: list[str]) -> None:
             if not s.is_shadow:
                 losses.append((s.rank, step, float(loss.item())))
             s.step()
-            if args.sleep:
-                time.sleep(args.sleep)
+            pause = args.held_sleep if args.hold and os.path.exists(args.hold) else args.sleep
+            if pause:
+                time.sleep(pause)
         (out / f"losses-{env.node}-{env.local_rank}.json").write_text(json.dumps(losses))
         if s.role == "worker" and not s.left:
             torch.save(
@@ -139,15 +144,27 @@ def run_job(
     job: str = "job",
     broker: str | None = None,
     max_restarts: int = 0,
+    held: bool = False,
 ) -> Any:
+    """Start the script as a job writing to ``out``. ``held``: its steps run slowly
+    (``--held-sleep`` each) until ``release(out)``, so a test's sequence of commands
+    is over before the job's last step however loaded the machine is."""
     from tmd.runtime.launch import LocalJob
 
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--out", str(out), *(extra or [])]
+    if held:
+        (out / "hold").touch()
+        cmd += ["--hold", str(out / "hold")]
     return LocalJob(
         cmd, nproc=nproc, standby=standby, nproc_per_node=nproc_per_node, job=job, broker=broker,
         max_restarts=max_restarts,
     )  # fmt: skip
+
+
+def release(out: Path) -> None:
+    """Let a job started with ``held`` run at full speed again."""
+    (out / "hold").unlink(missing_ok=True)
 
 
 def final_params(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runtime_conftest_helpers import assert_same_as, run_job
+from tests.integration.runtime_conftest_helpers import assert_same_as, release, run_job
 from tmd.runtime import EX_RESTART, JobController
 
 pytestmark = pytest.mark.slow
@@ -46,10 +46,11 @@ def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(
     tmp_path: Path, reference: Path, jobs: list[object]
 ) -> None:
     job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
-                  extra=["--no-noise"])  # fmt: skip
+                  extra=["--no-noise"], held=True)  # fmt: skip
     jobs.append(job)
     ctl = JobController(job.store, job="job")
     everyone = NPROC + PER_NODE  # every process of the job and of the standby machine
+    ctl.wait_standbys("standby0", timeout=ACK_TIMEOUT)
     # Prepared, then aborted: both ranks of worker1 stay, both slots stand by again.
     ctl.prepare("m0", leaver="worker1", joiner="standby0")
     ctl.wait_acks("m0", "prepared", count=everyone, timeout=ACK_TIMEOUT)
@@ -61,6 +62,7 @@ def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(
     ctl.wait_acks("m1", "prepared", count=everyone, timeout=ACK_TIMEOUT)
     ctl.switch("m1")
     switched = ctl.wait_acks("m1", "switched", count=everyone, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     codes = job.wait(JOB_TIMEOUT)
 
     assert set(codes.values()) == {0}, codes
@@ -133,12 +135,14 @@ def test_a_restart_checkpoints_and_starts_again_without_the_machine(
     ckpt = tmp_path / "ckpt"
     job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
                   extra=["--no-noise", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "7"],
-                  max_restarts=1)  # fmt: skip
+                  max_restarts=1, held=True)  # fmt: skip
     jobs.append(job)
     ctl = JobController(job.store, job="job")
     while not (ckpt / "step-000000007").exists():  # running, with a checkpoint behind it
         time.sleep(0.02)
     ctl.restart("r1", node="worker1", reason="ECC errors pending")
+    ctl.wait_acks("r1", "restarting", count=1, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     job.wait(JOB_TIMEOUT)
 
     first = job.attempts[0]

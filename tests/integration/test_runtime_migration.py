@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runtime_conftest_helpers import assert_same_as, run_job
+from tests.integration.runtime_conftest_helpers import assert_same_as, release, run_job
 from tmd.runtime import JobController
 
 pytestmark = pytest.mark.slow
@@ -42,9 +42,11 @@ def job_factory() -> Iterator[list[object]]:
 
 
 def start(out: Path, jobs: list[object], *, standby: int = 1, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
-    job = run_job(out, nproc=NPROC, standby=standby, steps=STEPS, extra=extra)
+    job = run_job(out, nproc=NPROC, standby=standby, steps=STEPS, extra=extra, held=True)
     jobs.append(job)
-    return job, JobController(job.store, job="job")
+    ctl = JobController(job.store, job="job")
+    ctl.wait_standbys(*(f"standby{i}" for i in range(standby)), timeout=ACK_TIMEOUT)
+    return job, ctl
 
 
 def test_planned_migration_matches_unmigrated_run(
@@ -55,6 +57,7 @@ def test_planned_migration_matches_unmigrated_run(
     ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
     ctl.switch("m1")
     switched = ctl.wait_acks("m1", "switched", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     codes = job.wait(JOB_TIMEOUT)
 
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0, "standby0": 0}
@@ -82,6 +85,7 @@ def test_two_migrations_in_a_row(
     ctl.prepare("m2", leaver="standby0", joiner="standby1")
     ctl.switch("m2")
     ctl.wait_acks("m2", "switched", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     codes = job.wait(JOB_TIMEOUT)
 
     assert set(codes.values()) == {0}
@@ -100,6 +104,7 @@ def test_abort_during_prepare_keeps_the_old_group(
     ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
     ctl.abort("m1", reason="operator changed their mind")
     aborted = ctl.wait_acks("m1", "aborted", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     codes = job.wait(JOB_TIMEOUT)
 
     assert {a.node for a in aborted} == {"worker0", "worker1", "worker2", "standby0"}
@@ -118,6 +123,7 @@ def test_abort_after_switch_requested_keeps_the_old_group(
     ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
     ctl.abort("m1")
     ctl.wait_acks("m1", "aborted", count=NPROC + 1, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     assert set(job.wait(JOB_TIMEOUT).values()) == {0}
     assert not [a for a in ctl.acks() if a.kind == "switched"]
     assert_same_as(tmp_path, reference, NPROC)
@@ -132,6 +138,7 @@ def test_joiner_dying_inside_the_switch_rolls_back_to_the_old_group(
     ctl.prepare("m1", leaver="worker1", joiner="standby0")
     ctl.switch("m1")
     aborted = ctl.wait_acks("m1", "aborted", count=NPROC, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     codes = job.wait(JOB_TIMEOUT)
 
     assert {a.node for a in aborted} == {"worker0", "worker1", "worker2"}
@@ -148,6 +155,7 @@ def test_standby_dying_during_prepare_aborts_the_migration(
     ctl.wait_acks("m1", "prepared", count=NPROC + 1, timeout=ACK_TIMEOUT)
     job.kill("standby0", signal.SIGKILL)
     aborted = ctl.wait_acks("m1", "aborted", count=NPROC, timeout=ACK_TIMEOUT)
+    release(tmp_path)
     codes = job.wait(JOB_TIMEOUT)
 
     assert {a.node for a in aborted} == {"worker0", "worker1", "worker2"}
