@@ -23,8 +23,15 @@
                        at a store that outlives every worker (the launcher hosts one)
 ``TMD_HOST``           address peers reach this process on (gloo device); default
                        ``127.0.0.1`` when the store is on loopback, else the hostname
-``TMD_BROKER``         ``host:port`` of the MQTT broker; unset: control through the
-                       store only (``JobController``) and telemetry is not sent
+``TMD_BROKER``         ``host:port`` of the MQTT broker; unset (and no
+                       ``TMD_MQTT_CONFIG``): control through the store only
+                       (``JobController``) and telemetry is not sent
+``TMD_MQTT_CONFIG``    a TOML file whose ``[mqtt]`` table is read as the daemon and
+                       the agent read theirs (``tmd.config.MqttConfig``: username,
+                       ``password_file``, ``tls``, ``ca_file``, ``cert_file``,
+                       ``key_file``, ``client_id``, ...); ``TMD_MQTT__<KEY>``
+                       overrides one key (``TMD_MQTT__PASSWORD_FILE=...``), and
+                       ``TMD_BROKER`` the host and port
 ``TMD_BACKEND``        ``gloo`` (default) or ``nccl``
 ``TMD_RESTART_COUNT``  how many times the launcher restarted the job before this
                        start (``tmd launch --max-restarts``); read from
@@ -42,6 +49,7 @@ from typing import Final, Literal
 import msgspec
 
 from tmd import wire
+from tmd.config import MqttConfig, mqtt_options
 from tmd.errors import ConfigError
 from tmd.runtime.group import StoreAddress
 
@@ -58,10 +66,16 @@ class RuntimeEnv:
     store: StoreAddress
     host: str
     backend: str
-    broker: str | None = None
+    mqtt: MqttConfig | None = None
+    """How to reach the broker; None: no broker (control through the store)."""
     restart_count: int = 0
     local_rank: int = 0
     local_world_size: int = 1
+
+    @property
+    def broker(self) -> str | None:
+        """``host:port`` of the broker, or None."""
+        return None if self.mqtt is None else f"{self.mqtt.host}:{self.mqtt.port}"
 
     @property
     def slot(self) -> str:
@@ -120,7 +134,7 @@ class RuntimeEnv:
             store=store,
             host=host,
             backend=env.get("TMD_BACKEND", "gloo"),
-            broker=env.get("TMD_BROKER") or None,
+            mqtt=_mqtt(env),
             restart_count=int(restarts),
             local_rank=local_rank,
             local_world_size=local_world_size,
@@ -143,6 +157,21 @@ def _with_slurm(env: Mapping[str, str]) -> Mapping[str, str]:
         if ours not in env and env.get(theirs, "").isdigit()
     }
     return {**env, **missing} if missing else env
+
+
+def _mqtt(env: Mapping[str, str]) -> MqttConfig | None:
+    """The broker and the credentials to reach it with, or None for no broker."""
+    broker = env.get("TMD_BROKER", "")
+    path = env.get("TMD_MQTT_CONFIG", "")
+    if not broker and not path:
+        return None
+    overrides = dict(env)
+    if broker:
+        host, _, port = broker.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError("TMD_BROKER", f"must be host:port, got {broker!r}")
+        overrides["TMD_MQTT__HOST"], overrides["TMD_MQTT__PORT"] = host.strip("[]"), port
+    return mqtt_options(path or None, env=overrides)
 
 
 def slot_name(node: str, local_rank: int) -> str:

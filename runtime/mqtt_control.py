@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -21,9 +23,12 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tmd import wire
+from tmd.config import MqttConfig
 from tmd.errors import ConfigError, ProtocolError
 from tmd.runtime.control import _Poller, put_status, standbys
 from tmd.runtime.group import StoreAddress, connect_store
+
+log = logging.getLogger("tmd.runtime.mqtt")
 
 
 def parse_broker(text: str) -> tuple[str, int]:
@@ -38,16 +43,19 @@ class MqttControl:
 
     def __init__(
         self,
-        broker: str,
+        broker: MqttConfig | str,
         *,
         job: str,
         node: str,
         store: StoreAddress,
         keepalive: timedelta = timedelta(seconds=30),
         connect_timeout: timedelta = timedelta(seconds=10),
+        max_age: timedelta = timedelta(seconds=120),
     ) -> None:
         self.job = job
         self.rejected = 0
+        self.ignored: dict[str, int] = {}  # well-formed commands not acted on, by why
+        self._max_age_s = max_age.total_seconds()
         self.published = 0
         self._inbox: queue.SimpleQueue[wire.Control] = queue.SimpleQueue()
         self._stopped = False
@@ -67,24 +75,42 @@ class MqttControl:
         self._standby_changes = 0
         self._standby_changes_read = 0
         self._worker = _Poller(f"tmd-mqtt-{job}", timedelta(seconds=1), self._check_standbys)
-        host, port = parse_broker(broker)
+        if isinstance(broker, str):
+            host, port = parse_broker(broker)
+            broker = MqttConfig(host=host, port=port, keepalive_s=keepalive.total_seconds())
+        self._refused: list[str] = []  # the CONNACK's reason, once refused
         client = paho.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=_client_id(job, node),
+            client_id=_client_id(job, node, prefix=broker.client_id or "tmd-runtime"),
+            protocol=paho.MQTTv5 if broker.protocol == "5" else paho.MQTTv311,
         )
+        # The same options, secrets and TLS files the daemon and the agent use.
+        if broker.username:
+            client.username_pw_set(broker.username, broker.read_password() or None)
+        context = broker.tls_context()
+        if context is not None:
+            client.tls_set_context(context)
+            client.tls_insecure_set(broker.tls_insecure)
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
         client.reconnect_delay_set(min_delay=1, max_delay=10)
-        client.connect_async(host, port, keepalive=int(keepalive.total_seconds()))
+        client.connect_async(broker.host, broker.port, keepalive=int(broker.keepalive_s))
         client.loop_start()
         self._client = client
         # Commands sent before this process subscribed are lost (QoS 1 without a
         # session), so the first subscription is awaited once, at start.
         self._connected.wait(connect_timeout.total_seconds())
+        if self._refused:
+            self.close()
+            why = f"the broker refused this client: {self._refused[0]}"
+            raise ConfigError("mqtt.username", why)
 
     def _on_connect(self, client: paho.Client, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
         if reason.is_failure:
+            if not self._connected.is_set() and str(reason) in _REFUSED:
+                self._refused.append(str(reason))  # credentials or ACL: no retry can help
+                self._connected.set()
             return
         client.subscribe(
             [(wire.job_topic(self.job, "ctl"), 1), (wire.job_topic(self.job, "status"), 1)]
@@ -105,8 +131,31 @@ class MqttControl:
         except ProtocolError:
             self.rejected += 1  # counted and dropped; a bad message never kills the loop
             return
-        if command.job == self.job:
-            self._inbox.put(command)
+        if command.job != self.job:
+            return
+        why = self._not_fresh(command, retained=bool(message.retain))
+        if why:
+            self._ignore(why, command)
+            return
+        self._inbox.put(command)
+
+    def _not_fresh(self, command: wire.Control, *, retained: bool) -> str:
+        """Why ``command`` must not be acted on ('' if it may). The daemon never
+        retains a command and stamps each send: a retained one (a replay into every
+        later subscriber) or one older than ``max_age`` on this process's clock (a
+        replay, or a copy that sat in a queue) is ignored, whoever sent it."""
+        if retained:
+            return "retained"
+        age = time.time() - command.ts
+        if abs(age) > self._max_age_s:
+            return "stale"
+        return ""
+
+    def _ignore(self, why: str, command: wire.Control) -> None:
+        self.ignored[why] = self.ignored.get(why, 0) + 1
+        if self.ignored[why] == 1:  # logged once per reason; the count says the rest
+            log.warning("ignoring a %s %s command for %s (%s)", why, type(command).__name__,
+                        command.migration_id, self.job)  # fmt: skip
 
     # -- ControlChannel ----------------------------------------------------------------
 
@@ -169,10 +218,14 @@ class MqttControl:
         self.published += 1
 
 
-def _client_id(job: str, slot: str) -> str:
+_REFUSED = frozenset({"Bad user name or password", "Not authorized"})
+"""CONNACK reasons (paho's names, MQTT 3.1.1 and 5) that no retry can cure."""
+
+
+def _client_id(job: str, slot: str, *, prefix: str = "tmd-runtime") -> str:
     """One MQTT client id per process of the job: a broker disconnects a client whose
     id another one takes. Long names are cut, with a hash keeping them distinct."""
-    whole = f"tmd-runtime-{job}-{slot}".replace("/", "-")
+    whole = f"{prefix}-{job}-{slot}".replace("/", "-")
     if len(whole) <= 128:
         return whole
     return f"{whole[:111]}-{hashlib.sha256(whole.encode()).hexdigest()[:16]}"

@@ -160,12 +160,13 @@ class Session:
 
     def __enter__(self) -> Session:
         sink = None
-        if self._control is None and self.env.broker:
+        if self._control is None and self.env.mqtt is not None:
             # paho is loaded only by a job that talks to a broker.
             from tmd.runtime.mqtt_control import MqttControl
 
-            mqtt = MqttControl(self.env.broker, job=self.env.job, node=self.env.slot,
-                               store=self.env.store)  # fmt: skip
+            mqtt = MqttControl(self.env.mqtt, job=self.env.job, node=self.env.slot,
+                               store=self.env.store,
+                               max_age=self.config.command_max_age)  # fmt: skip
             self._control, sink = mqtt, mqtt.publish
         elif self._control is None:
             self._control = StoreControl(

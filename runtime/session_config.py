@@ -34,6 +34,10 @@ class SessionConfig:
     prepare_ahead: bool = True
     """Build the next group and copy the state during prepare (live migration).
     ``False`` is the cold-standby baseline: everything happens at the switch."""
+    command_max_age: timedelta = timedelta(seconds=120)
+    """A command over MQTT stamped longer ago than this, by this process's clock, is
+    ignored (so is a retained one): a replay never moves the job. It must exceed the
+    clock skew between the head node and the training machines."""
     joiner_timeout: timedelta = timedelta(seconds=5)
     """A joiner whose heartbeat is older than this is given up (the migration aborts)."""
     detect_timeout: timedelta = timedelta(seconds=10)

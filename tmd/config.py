@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import ssl
 import tomllib
 import types
 import typing
@@ -26,6 +27,20 @@ from tmd.errors import ConfigError
 
 ENV_PREFIX = "TMD_"
 T = typing.TypeVar("T")
+
+SECRETS = (("mqtt", "password"), ("api", "token"))
+"""Keys whose values are secrets: never echoed, masked by ``as_dict``."""
+
+CREDENTIALS: tuple[tuple[str, str, str, str], ...] = (
+    ("mqtt", "password_file", "password", "mqtt-password"),
+    ("api", "token_file", "token", "api-token"),
+    ("mqtt", "cert_file", "", "mqtt-cert"),
+    ("mqtt", "key_file", "", "mqtt-key"),
+)
+"""(section, file key, value key, credential name): under systemd, a key left unset
+defaults to the credential of that name in ``$CREDENTIALS_DIRECTORY``
+(``LoadCredential=mqtt-password:/etc/tmd/credentials/mqtt-password``), readable by
+the service's own (dynamic) user only."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +93,37 @@ class MqttConfig:
         if self.cert_file or self.key_file:
             _check(self.tls, "mqtt.cert_file", "client certificates need mqtt.tls = true")
             _check(bool(self.cert_file and self.key_file), "mqtt.key_file", "set both cert and key")
+
+    def read_password(self) -> str:
+        """The password: ``password``, or the contents of ``password_file``."""
+        if not self.password_file:
+            return self.password
+        try:
+            with open(self.password_file) as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ConfigError("mqtt.password_file", f"cannot read: {exc.strerror}") from None
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The client's TLS context (None without ``tls``); every file is read here,
+        so a bad one is a ConfigError at start rather than a failed connection later."""
+        if not self.tls:
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file or None)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError("mqtt.ca_file", f"cannot load CA certificates: {exc}") from None
+        if self.cert_file:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(
+                    "mqtt.cert_file", f"cannot load certificate and key: {exc}"
+                ) from None
+        if self.tls_insecure:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +326,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
 
 
 def build_section(cls: type[T], value: Any, where: str) -> T:
-    """Build dataclass ``cls`` from a TOML table, checking every key's type."""
+    """Build dataclass ``cls`` from a TOML table, checking every key's type. The
+    error for a secret key names the key and never its value."""
     if not isinstance(value, Mapping):
         raise ConfigError(where, f"must be a table, got {type(value).__name__}")
     hints = typing.get_type_hints(cls)
@@ -289,8 +336,21 @@ def build_section(cls: type[T], value: Any, where: str) -> T:
     for key, item in value.items():
         if key not in fields:
             raise ConfigError(f"{where}.{key}", f"unknown key (known: {', '.join(sorted(fields))})")
+        if (where, key) in SECRETS and not isinstance(item, str):
+            raise ConfigError(f"{where}.{key}", f"must be a string, got a {type(item).__name__}")
         kwargs[key] = _coerce(item, hints[key], f"{where}.{key}")
     return cls(**kwargs)
+
+
+def mqtt_options(
+    path: str | Path | None = None, *, env: Mapping[str, str] | None = None
+) -> MqttConfig:
+    """The ``[mqtt]`` section alone, validated: how a client that is not the daemon
+    (a training process, a tool) connects, from the same file format and the same
+    ``TMD_MQTT__*`` overrides; the file's other sections are not read."""
+    mqtt = build_section(MqttConfig, _read(path, env).get("mqtt", {}), "mqtt")
+    mqtt.validate()
+    return mqtt
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -412,14 +472,34 @@ def _read(path: str | Path | None, env: Mapping[str, str] | None) -> dict[str, A
             raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(str(path), f"not valid TOML: {exc}") from None
-    _apply_env(raw, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    _apply_env(raw, env)
+    _apply_credentials(raw, env)
     return raw
+
+
+def _apply_credentials(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    """Point every unset secret file key at its systemd credential, if one was passed
+    (``CREDENTIALS`` lists them); a key set in the file or environment wins."""
+    directory = env.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return
+    for section, key, value_key, name in CREDENTIALS:
+        path = os.path.join(directory, name)
+        table = raw.get(section, {})
+        if not isinstance(table, dict) or not os.path.isfile(path):
+            continue
+        if table.get(key) or (value_key and table.get(value_key)):
+            continue
+        if key == "key_file" and table.get("cert_file") != os.path.join(directory, "mqtt-cert"):
+            continue  # a key without its certificate would be a config error
+        raw.setdefault(section, table)[key] = path
 
 
 def as_dict(config: Config) -> dict[str, Any]:
     """The effective configuration, secrets masked (for ``tmd check-config``)."""
     out = dataclasses.asdict(config)
-    for section, key in (("mqtt", "password"), ("api", "token")):
+    for section, key in SECRETS:
         if out[section][key]:
             out[section][key] = "***"
     return out

@@ -8,14 +8,12 @@ import os
 import random
 import secrets
 import socket
-import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiomqtt
 
 from tmd.config import MqttConfig
-from tmd.errors import ConfigError
 
 
 def _default_client_id() -> str:
@@ -29,16 +27,8 @@ class ClientFactory:
 
     def __init__(self, config: MqttConfig) -> None:
         self.config = config
-        self.password = config.password
-        if config.password_file:
-            try:
-                with open(config.password_file) as f:
-                    self.password = f.read().strip()
-            except OSError as exc:
-                raise ConfigError("mqtt.password_file", f"cannot read: {exc.strerror}") from None
-        self.tls_context: ssl.SSLContext | None = None
-        if config.tls:
-            self.tls_context = _tls_context(config)
+        self.password = config.read_password()
+        self.tls_context = config.tls_context()
 
     def __call__(
         self,
@@ -115,19 +105,3 @@ async def reconnect_forever(
         finally:
             closed()
         await asyncio.sleep(backoff.next())
-
-
-def _tls_context(config: MqttConfig) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=config.ca_file or None)
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError("mqtt.ca_file", f"cannot load CA certificates: {exc}") from None
-    if config.cert_file:
-        try:
-            context.load_cert_chain(config.cert_file, config.key_file)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError("mqtt.cert_file", f"cannot load certificate and key: {exc}") from None
-    if config.tls_insecure:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context

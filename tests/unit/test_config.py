@@ -94,3 +94,45 @@ def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     broken.write_text("[api\n")
     assert cli(["check-config", str(broken)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_no_secret_is_ever_echoed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check-config masks every secret key; an error about a secret names the key and
+    never the value."""
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    values = {("mqtt", "password"): "hunter2-mqtt", ("api", "token"): "hunter2-api"}
+    assert set(values) == set(config.SECRETS)
+    good = tmp_path / "good.toml"
+    good.write_text("".join(f'[{s}]\n{k} = "{v}"\n' for (s, k), v in values.items()))
+    assert cli(["check-config", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert out.count('"***"') == len(values)
+    assert not [v for v in values.values() if v in out]
+    for section, key in config.SECRETS:
+        bad = tmp_path / f"bad-{key}.toml"
+        bad.write_text(f"[{section}]\n{key} = 31337\n")
+        assert cli(["check-config", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"{section}.{key}" in err and "31337" not in err
+
+
+def test_secrets_default_to_systemd_credentials(tmp_path: Path) -> None:
+    """Under systemd (LoadCredential=), an unset secret file key reads the credential
+    of its name; one set in the file wins, and a key without its certificate is not
+    picked up alone."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    for name in ("mqtt-password", "api-token", "mqtt-key"):
+        (creds / name).write_text("secret\n")
+    c = config.load(None, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert c.mqtt.password_file == str(creds / "mqtt-password")
+    assert c.mqtt.read_password() == "secret"
+    assert c.api.token_file == str(creds / "api-token")
+    assert (c.mqtt.cert_file, c.mqtt.key_file) == ("", "")  # no mqtt-cert: no client cert
+    own = tmp_path / "tmd.toml"
+    own.write_text('[mqtt]\npassword = "inline"\n')
+    c = config.load(own, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert (c.mqtt.password, c.mqtt.password_file) == ("inline", "")
+    assert config.load(None, env={}).mqtt.password_file == ""

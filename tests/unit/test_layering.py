@@ -19,7 +19,7 @@ PLUGIN_API = ("tmd.plugins", "tmd.daemon.plugins", "tmd.daemon.view", "tmd.daemo
 
 # folder -> the tmd modules (and their submodules) its files may import
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "runtime": ("tmd.runtime", "tmd.wire", "tmd.errors"),
+    "runtime": ("tmd.runtime", "tmd.wire", "tmd.errors", "tmd.config"),
     "tmd/agent": ("tmd.agent", *SHARED_ALL),
     "detectors": ("tmd.detectors", *PLUGIN_API, *SHARED),
     "policies": ("tmd.policies", *PLUGIN_API, *SHARED),

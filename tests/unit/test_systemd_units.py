@@ -91,6 +91,13 @@ def test_head_unit_keeps_the_daemon_contract() -> None:
     assert unit["CapabilityBoundingSet"] == [""]
     assert "network-online.target" in " ".join(unit["Wants"])
     assert "IPAddressDeny" not in unit, "the broker and API clients may be anywhere"
+    # Every secret tmd reads from $CREDENTIALS_DIRECTORY is passed from the credstore
+    # (a relative path: searched there, skipped when absent), and memory is capped.
+    from tmd.config import CREDENTIALS
+
+    passed = {v.split(":")[0]: v.split(":")[1] for v in unit["LoadCredential"]}
+    assert passed == {name: f"tmd.{name}" for *_, name in CREDENTIALS}
+    assert unit["MemoryMax"]
 
 
 def test_agent_unit_reaches_the_gpus_and_nothing_else() -> None:

@@ -45,8 +45,11 @@ class Mosquitto:
         host: str = "127.0.0.1",
         listener_config: str = "",
         allow_anonymous: bool = True,
+        config: str = "",
     ) -> None:
-        """``listener_config``: lines for the listener (``cafile``, ``certfile``, ...)."""
+        """``listener_config``: lines for the listener (``cafile``, ``certfile``, ...);
+        ``config``: a whole broker configuration instead (its own ``listener`` on
+        ``port``), to which only logging and the process's user are added."""
         binary = find_mosquitto()
         if binary is None:
             raise TmdError("mosquitto not found: install it (apt-get install -y mosquitto)")
@@ -56,13 +59,20 @@ class Mosquitto:
         self._dir = tempfile.TemporaryDirectory(prefix="tmd-mosquitto-")
         self.config_path = Path(self._dir.name) / "mosquitto.conf"
         self.log_path = Path(self._dir.name) / "mosquitto.log"
+        own = (
+            (config + "\n")
+            if config
+            else (
+                f"listener {self.port} {host}\n"
+                + listener_config
+                + f"\nallow_anonymous {'true' if allow_anonymous else 'false'}\n"
+            )
+        )
         self.config_path.write_text(
-            f"listener {self.port} {host}\n"
-            + listener_config
-            + f"\nallow_anonymous {'true' if allow_anonymous else 'false'}\n"
+            own
             # Started as root, mosquitto switches to user "mosquitto", which cannot read
             # the test's key files; stay who we are (ignored when not root).
-            f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
+            + f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
             "persistence false\n"
             "max_queued_messages 100000\n"
             "max_inflight_messages 0\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,28 @@ def test_srun_s_variables_stand_in_for_torchrun_s() -> None:
     assert (env.rank, env.local_rank) == (2, 2)
     with pytest.raises(ConfigError, match="TMD_NODE"):
         RuntimeEnv.from_environ({**slurm, "TMD_NODE": "gpu 07"})
+
+
+def test_broker_options_are_the_daemon_s(tmp_path: Path) -> None:
+    """A job reads the same ``[mqtt]`` table the agent and the daemon read (one file
+    may serve all three), with the same ``TMD_MQTT__`` overrides; TMD_BROKER names the
+    host and port; a bad key stops it at start, named."""
+    base = {"WORLD_SIZE": "1", "TMD_STORE": "h:1"}
+    assert RuntimeEnv.from_environ(base).mqtt is None  # no broker: control via the store
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    conf = tmp_path / "agent.toml"
+    conf.write_text(f'[mqtt]\nhost = "head"\nport = 8883\nusername = "llm"\n'
+                    f'password_file = "{secret}"\n[agent]\ninterval_s = 1.0\n')  # fmt: skip
+    env = RuntimeEnv.from_environ({**base, "TMD_MQTT_CONFIG": str(conf)})
+    assert env.mqtt is not None and env.broker == "head:8883"
+    assert (env.mqtt.username, env.mqtt.read_password()) == ("llm", "s3cret")
+    env = RuntimeEnv.from_environ(
+        {**base, "TMD_MQTT_CONFIG": str(conf), "TMD_BROKER": "10.0.0.9:1884",
+         "TMD_MQTT__USERNAME": "other"}
+    )  # fmt: skip
+    assert env.mqtt is not None and (env.broker, env.mqtt.username) == ("10.0.0.9:1884", "other")
+    with pytest.raises(ConfigError, match=r"mqtt\.ca_file"):
+        RuntimeEnv.from_environ({**base, "TMD_BROKER": "h:1", "TMD_MQTT__CA_FILE": "/nope"})
+    with pytest.raises(ConfigError, match="TMD_BROKER"):
+        RuntimeEnv.from_environ({**base, "TMD_BROKER": "nohost"})
