@@ -6,6 +6,20 @@ the event loop; WAL with ``synchronous=NORMAL`` commits without an fsync per wri
 A migration row moves through states; every transition is also an event row, so
 the history of a migration is never overwritten.
 
+Durability: a transition of a migration (or restart) is committed with
+``synchronous=FULL``, so it is on the disk before the command that follows it is sent
+and a power loss cannot take back a transition the runtime has acted on; findings,
+events and memberships stay at ``NORMAL`` (a power loss may drop the last of them, never
+corrupt the file). SQLite refuses to change the level inside a transaction, so it is
+set before ``BEGIN`` and set back after the transaction ends; in WAL mode the FULL
+commit's sync also makes every earlier NORMAL commit durable.
+
+Every write is one transaction, and any error in it, ``COMMIT``'s included, rolls it
+back, so a failed write leaves the connection usable for the next one. ``atomic``
+groups writes that only make sense together (a migration's ``planned`` and
+``preparing``): they are kept or dropped together, and each write inside it is a
+savepoint of it.
+
 ``sqlite3`` stays inside: its errors come out as ``JournalError``, and setting the
 state of a migration that already ended as ``AlreadyFinished``, so callers handle
 errors of ours, not the driver's.
@@ -108,6 +122,7 @@ class Membership:
 class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._depth = 0  # nesting of ``_tx``: 0 outside a transaction
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._translated():
@@ -146,15 +161,54 @@ class Journal:
             raise JournalError(f"journal {self.path}: {exc}") from exc
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def atomic(self) -> Iterator[None]:
+        """Writes kept together or not at all, committed as durably as a transition."""
+        with self._tx(durable=True):
+            yield
+
+    @contextmanager
+    def _tx(self, *, durable: bool = False) -> Iterator[sqlite3.Connection]:
+        """A transaction (inside ``atomic``, a savepoint of its transaction); ``durable``:
+        committed with ``synchronous=FULL``."""
+        db = self._db
         with self._translated():
-            self._db.execute("BEGIN IMMEDIATE")
+            if self._depth:
+                with self._savepoint():
+                    yield db
+                return
+            if durable:
+                db.execute("PRAGMA synchronous=FULL")
+            self._depth = 1
             try:
-                yield self._db
+                db.execute("BEGIN IMMEDIATE")
+                yield db
+                # A COMMIT that fails (a deferred constraint, a full disk, a busy lock)
+                # leaves the transaction open, and every later BEGIN would fail on it.
+                db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if db.in_transaction:  # some errors roll it back by themselves
+                    db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            finally:
+                self._depth = 0
+                if durable and not db.in_transaction:
+                    db.execute("PRAGMA synchronous=NORMAL")
+
+    @contextmanager
+    def _savepoint(self) -> Iterator[None]:
+        db = self._db
+        db.execute("SAVEPOINT tx")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK TO tx")
+                db.execute("RELEASE tx")
+            raise
+        finally:
+            self._depth -= 1
+        db.execute("RELEASE tx")
 
     def _query(self, sql: str, args: Any = ()) -> list[Any]:
         with self._translated():
@@ -224,7 +278,7 @@ class Journal:
         """Record a new migration in ``state`` (``planned`` unless it starts in a later
         one, with its ``detail``, in the same transaction); False if ``id`` exists
         (idempotent)."""
-        with self._tx() as db:
+        with self._tx(durable=True) as db:
             cur = db.execute(
                 "INSERT OR IGNORE INTO migrations"
                 " (id, job, leaver, joiner, state, reason, created_ts, updated_ts, detail)"
@@ -241,7 +295,7 @@ class Journal:
     ) -> None:
         """Move a migration to ``state``; ``AlreadyFinished`` if it has ended, KeyError
         if there is no such migration."""
-        with self._tx() as db:
+        with self._tx(durable=True) as db:
             row = db.execute(
                 "SELECT job, leaver, state FROM migrations WHERE id = ?", (id,)
             ).fetchone()

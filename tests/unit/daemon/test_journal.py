@@ -98,3 +98,92 @@ def test_a_membership_keeps_its_run_and_rows_from_before_runs_read_as_run_0(
     old.commit()
     old.close()
     assert j.memberships()["c"].run == 0
+
+
+def _fail_commits(path: Path, j: Journal, when: str) -> None:
+    """Make the COMMIT of every transaction that writes an event row matching ``when``
+    fail: the row leaves a dangling deferred foreign key, checked only at COMMIT."""
+    other = sqlite3.connect(path)
+    other.executescript(
+        "CREATE TABLE parent (id INTEGER PRIMARY KEY);"
+        "CREATE TABLE child (parent INTEGER REFERENCES parent (id)"
+        " DEFERRABLE INITIALLY DEFERRED);"
+        f"CREATE TRIGGER dangling AFTER INSERT ON events WHEN {when}"
+        " BEGIN INSERT INTO child VALUES (1); END;"
+    )
+    other.close()
+    j._db.execute("PRAGMA foreign_keys = ON")  # per connection: the journal's own
+
+
+def test_a_write_whose_commit_fails_is_rolled_back_and_the_next_one_works(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "j.sqlite3"
+    j = Journal(path)
+    j.begin_migration(id="m1", job="job", leaver="n1", joiner="s1", reason="drain", ts=TS)
+    _fail_commits(path, j, "NEW.kind = 'NodeLost' OR NEW.body LIKE '%\"switching\"%'")
+    with pytest.raises(JournalError, match="FOREIGN KEY constraint failed"):
+        j.record(events.NodeLost(ts=TS, node="n1", cause="heartbeat"))
+    with pytest.raises(JournalError, match="FOREIGN KEY constraint failed"):
+        j.set_migration_state("m1", "switching", ts=TS + 1)  # a durable transition's
+    # Nothing of either was kept, and the journal takes the next writes.
+    j.record(events.Migrate(ts=TS + 2, policy="drain", reason="operator", job="job", node="n1"))
+    j.set_migration_state("m1", "aborted", ts=TS + 3)
+    assert [r.kind for r in j.events()] == ["MigrationState", "Migrate", "MigrationState"]
+    assert [r.body["state"] for r in j.events(kind="MigrationState")] == ["planned", "aborted"]
+    j.close()
+    assert Journal(path).migration("m1").state == "aborted"  # type: ignore[union-attr]
+
+
+def test_transitions_are_committed_with_synchronous_full_and_findings_normal(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "j.sqlite3"
+    j = Journal(path)
+    other = sqlite3.connect(path)  # each event row notes the level it was committed at
+    other.executescript(
+        "CREATE TABLE levels (kind TEXT, level INTEGER);"
+        "CREATE TRIGGER level AFTER INSERT ON events BEGIN"
+        " INSERT INTO levels SELECT NEW.kind, synchronous FROM pragma_synchronous; END;"
+    )
+    other.close()
+    j.record(events.NodeLost(ts=TS, node="n1", cause="heartbeat"))
+    j.begin_migration(id="m1", job="job", leaver="n1", joiner="s1", reason="drain", ts=TS)
+    j.set_migration_state("m1", "preparing", ts=TS + 1)
+    with j.atomic():
+        j.record(events.NodeLost(ts=TS + 2, node="n2", cause="heartbeat"))
+    j.record(events.NodeLost(ts=TS + 3, node="n3", cause="heartbeat"))
+    FULL, NORMAL = 2, 1
+    assert j._db.execute("SELECT kind, level FROM levels").fetchall() == [
+        ("NodeLost", NORMAL),
+        ("MigrationState", FULL),
+        ("MigrationState", FULL),
+        ("NodeLost", FULL),  # inside ``atomic``: committed with the transitions
+        ("NodeLost", NORMAL),
+    ]
+
+
+def test_writes_in_atomic_are_kept_or_dropped_together(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite3"
+    j = Journal(path)
+    other = sqlite3.connect(path)
+    other.executescript(
+        "CREATE TRIGGER refuse BEFORE INSERT ON events WHEN NEW.body LIKE '%\"m2\"%'"
+        " BEGIN SELECT RAISE(ABORT, 'refused'); END;"
+    )
+    other.close()
+
+    def begin(id: str) -> None:
+        j.begin_migration(id=id, job="job", leaver="n1", joiner="s1", reason="drain", ts=TS)
+
+    with pytest.raises(JournalError, match="refused"), j.atomic():
+        begin("m1")
+        begin("m2")
+    assert j.recent_migrations(0) == [] and j.events() == []
+    with j.atomic():
+        begin("m1")
+        with pytest.raises(JournalError, match="refused"):
+            begin("m2")  # its row goes with its event, the rest stays
+        j.set_migration_state("m1", "preparing", ts=TS + 1)
+    assert [(m.id, m.state) for m in j.recent_migrations(0)] == [("m1", "preparing")]
+    assert len(j.events()) == 2

@@ -1,9 +1,13 @@
 """The migrations the actuator drives, and their record.
 
-Every transition is journaled before the command that follows it is sent, and each
-migration ends in exactly one ``MigrationFinished``: the journal refuses to end one
-twice (``AlreadyFinished``), and only the first end is counted and emitted. The
-ledger also keeps what the guardrails count (``GuardState``) and who replaced whom.
+Every transition is journaled before the command that follows it is sent, and before
+the ledger's memory (the flight's phase, the flights in flight, what the guardrails
+count) moves: a write that fails leaves the actuator as it was, to try again on the
+next answer, status or timeout, and a daemon that stops between the two resumes from
+the journal (``resume``). Each migration ends in exactly one ``MigrationFinished``:
+the journal refuses to end one twice (``AlreadyFinished``), and only the first end is
+counted and emitted. The ledger also keeps what the guardrails count (``GuardState``)
+and who replaced whom.
 
 A checkpoint restart the actuator asks for is kept the same way, as a row of its own
 kind (``kind: restart`` in its detail, no joiner) that starts in state ``restarting``
@@ -83,33 +87,54 @@ class Ledger:
         self.flights[flight.id] = flight
         self._count_in_flight()
 
-    def _count_in_flight(self) -> None:
-        if self.metrics is not None:
-            migrating = sum(1 for f in self.flights.values() if not f.is_restart)
-            self.metrics.migrations_in_flight.set(migrating)
-
-    def enter(
-        self, flight: Flight, phase: Phase, now: float, *, detail: dict[str, Any] | None = None
-    ) -> wire.Message:
-        """Journal the new phase first, then return its command to send."""
-        self.machine.set_phase(flight, phase, now)
-        detail = {**self.machine.journaled(flight, phase), **(detail or {})}
-        self.journal.set_migration_state(flight.id, phase, ts=now, detail=detail)
-        return self.machine.command(flight, now)
-
-    def finish(self, flight: Flight, outcome: Outcome, now: float, *, detail: str = "") -> None:
-        record, downtime = outcome_record(flight, outcome, detail)
+    def _drop(self, flight: Flight) -> None:
+        """Forget a flight that ended: the guardrails no longer count it."""
         self.flights.pop(flight.id, None)
         if flight.is_restart:
             if self.guard_state.restarting.get(flight.job) == flight.id:
                 del self.guard_state.restarting[flight.job]
         else:
             self.guard_state.record_end(flight.job)
+        self._count_in_flight()
+
+    def _count_in_flight(self) -> None:
+        if self.metrics is not None:
+            migrating = sum(1 for f in self.flights.values() if not f.is_restart)
+            self.metrics.migrations_in_flight.set(migrating)
+
+    def enter(
+        self,
+        flight: Flight,
+        phase: Phase,
+        now: float,
+        *,
+        why: str = "",
+        via: str = "",
+        detail: dict[str, Any] | None = None,
+    ) -> wire.Message:
+        """Journal the new phase (after the state it passes ``via``, in one transaction),
+        then move the flight to it and return its command to send. ``why``: an abort's
+        reason, journaled and sent with it."""
+        detail = {**self.machine.journaled(flight, phase), **(detail or {})}
+        if why:
+            detail["why"] = why
+        with self.journal.atomic():
+            if via:
+                self.journal.set_migration_state(flight.id, via, ts=now)
+            self.journal.set_migration_state(flight.id, phase, ts=now, detail=detail)
+        if why:
+            flight.abort_reason = why
+        self.machine.set_phase(flight, phase, now)
+        return self.machine.command(flight, now)
+
+    def finish(self, flight: Flight, outcome: Outcome, now: float, *, detail: str = "") -> None:
+        record, downtime = outcome_record(flight, outcome, detail)
         try:
             self.journal.set_migration_state(flight.id, outcome, ts=now, detail=record)
         except AlreadyFinished:
+            self._drop(flight)
             return  # never report a migration twice
-        self._count_in_flight()
+        self._drop(flight)
         if flight.is_restart:
             self._restart_finished(flight, outcome, now)
             return

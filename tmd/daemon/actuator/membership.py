@@ -32,6 +32,7 @@ __all__ = [
     "Memberships",
     "Moved",
     "moved",
+    "of",
     "runtime_failover",
     "since",
 ]
@@ -50,11 +51,7 @@ class Memberships:
     def record(self, status: wire.JobStatus, before: Membership | None) -> Membership:
         """Remember what ``status`` says; journaled when it differs from ``before`` (None:
         the first of the job, or of a new run of it) in generation, run or members."""
-        after = Membership(
-            generation=status.generation, step=status.step, ts=status.ts,
-            members={m.rank: m.node for m in status.members}, run=status.run,
-        )  # fmt: skip
-        self._seen[status.job] = after
+        after = of(status)
         if (
             before is None
             or after.generation != before.generation
@@ -62,7 +59,16 @@ class Memberships:
             or after.members != before.members
         ):
             self._journal.save_membership(status.job, after)
+        self._seen[status.job] = after  # after the journal: a failed write changes nothing
         return after
+
+
+def of(status: wire.JobStatus) -> Membership:
+    """The membership ``status`` says its job has."""
+    return Membership(
+        generation=status.generation, step=status.step, ts=status.ts,
+        members={m.rank: m.node for m in status.members}, run=status.run,
+    )  # fmt: skip
 
 
 Since = Literal["next", "late", "new run"]

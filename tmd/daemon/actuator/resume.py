@@ -71,12 +71,15 @@ def resume(
         phase = "aborting"
     flight = _restore(ledger, row, job, phase, now)
     flight.abort_reason = str(row.detail.get("why", ""))
+    # Journaled before the ledger drives it: a write that fails leaves it to the next start.
+    if row.state == "planned":  # stopped before its prepare was journaled (or sent)
+        command = ledger.enter(flight, "preparing", now, detail={"resumed": True})
+    else:
+        ledger.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
+        command = ledger.machine.command(flight, now)
     ledger.start(flight, row.created_ts)  # cooldowns and rate limits count from then
     ledger.log.info("resuming migration", migration_id=row.id, state=row.state, phase=phase)
-    if row.state == "planned":  # stopped before its prepare was journaled (or sent)
-        return [ledger.enter(flight, "preparing", now, detail={"resumed": True})]
-    ledger.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
-    return [ledger.machine.command(flight, now)]
+    return [command]
 
 
 def is_restart(row: MigrationRow) -> bool:
@@ -88,16 +91,17 @@ def _resume_restart(
     ledger: Ledger, row: MigrationRow, job: JobView | None, now: float
 ) -> list[wire.Message]:
     flight = _restore(ledger, row, job, "restarting", now)
-    ledger.start(flight, row.created_ts)
     if job is not None:  # the status may have answered it while the daemon was down
         action, detail = ledger.machine.on_status(
             flight, job.generation, set(job.members.values()), state=job.state
         )
         if action in ("done", "aborted"):
+            ledger.start(flight, row.created_ts)  # what the journal holds, until it ends
             ledger.finish(flight, action, now, detail=f"{detail} (while the daemon was down)")
             return []
-    ledger.log.info("resuming restart", migration_id=row.id, job=row.job, node=row.leaver)
     ledger.journal.set_migration_state(row.id, row.state, ts=now, detail={"resumed": True})
+    ledger.start(flight, row.created_ts)
+    ledger.log.info("resuming restart", migration_id=row.id, job=row.job, node=row.leaver)
     return [ledger.machine.command(flight, now)]
 
 

@@ -143,13 +143,17 @@ class Actuator:
             deadline=now + self.config.prepare_timeout_s,
             slots=machine_slots(job.machines(), decision.node, candidates[0]),
         )
-        self.ledger.begin(flight, reason=f"{decision.policy}: {decision.reason}", now=now)
+        # Planned and preparing, or neither: a planned row no flight drives would be
+        # resumed at the next start, long after the decision.
+        with self.journal.atomic():
+            self.ledger.begin(flight, reason=f"{decision.policy}: {decision.reason}", now=now)
+            prepare = self.ledger.enter(flight, "preparing", now)
         self.ledger.start(flight, now)
         self.log.info(
             "migration started", migration_id=flight.id, job=flight.job,
             leaver=flight.leaver, joiner=flight.joiner, policy=flight.policy,
         )  # fmt: skip
-        return [self.ledger.enter(flight, "preparing", now)]
+        return [prepare]
 
     def _on_checkpoint_restart(
         self, decision: events.CheckpointRestart, now: float
@@ -223,7 +227,7 @@ class Actuator:
         if seen == "new run":
             self._job_restarted(status, now)
             before = None
-        after = self.memberships.record(status, before)
+        after = membership.of(status)
         nodes = set(after.members.values())
         ours = [f for f in self.ledger.of_job(status.job) if f.phase != "runtime"]
         for flight in ours:
@@ -232,15 +236,16 @@ class Actuator:
         for job, node in [k for k in self.ledger.restarts_asked if k[0] == status.job]:
             if node not in nodes:  # it left: a later run that has it again may be asked
                 del self.ledger.restarts_asked[(job, node)]
-        if before is None:
-            return []
-        moved = membership.moved(
-            status.job, before, after,
-            switched_to={f.joiner for f in ours if f.switched_by_status},
-            replaced=self.ledger.replaced,
-        )  # fmt: skip
-        for machine in moved:
-            self._record_runtime_failover(status, machine, before.generation, now)
+        if before is not None:
+            moved = membership.moved(
+                status.job, before, after,
+                switched_to={f.joiner for f in ours if f.switched_by_status},
+                replaced=self.ledger.replaced,
+            )  # fmt: skip
+            for machine in moved:
+                self._record_runtime_failover(status, machine, before.generation, now)
+        # Last: until what the status showed is journaled, the next status shows it again.
+        self.memberships.record(status, before)
         return []
 
     def _job_restarted(self, status: wire.JobStatus, now: float) -> None:
@@ -271,14 +276,15 @@ class Actuator:
         flight = membership.runtime_failover(
             status, ranks=ranks, leaver=leaver, joiner=joiner, generation=old_gen, now=now
         )
+        detail = {"rank": ranks[0], "ranks": list(ranks), "runtime_id": flight.runtime_id}
+        with self.journal.atomic():
+            fresh = self.ledger.begin(flight, reason=flight.reason, now=now)
+            if fresh:
+                self.journal.set_migration_state(flight.id, "switching", ts=now, detail=detail)
         self.ledger.replaced[(status.job, leaver)] = joiner
-        if not self.ledger.begin(flight, reason=flight.reason, now=now):
+        if not fresh:
             return  # already journaled (a status seen again after a restart)
         self.ledger.start(flight, now)
-        self.journal.set_migration_state(
-            flight.id, "switching", ts=now,
-            detail={"rank": ranks[0], "ranks": list(ranks), "runtime_id": flight.runtime_id},
-        )  # fmt: skip
         early = self.failover_acks.claim(status.job, flight.runtime_id)
         if early is not None:
             self._apply(flight, self.machine.on_ack(flight, early, now), now)
@@ -293,8 +299,7 @@ class Actuator:
         if action == "abort":
             return self._abort(flight, detail, now)
         if action == "switch":
-            self.journal.set_migration_state(flight.id, "prepared", ts=now)
-            return [self.ledger.enter(flight, "switching", now)]
+            return [self.ledger.enter(flight, "switching", now, via="prepared")]
         if action == "switched":
             self.ledger.replaced[(flight.job, flight.leaver)] = flight.joiner
         elif action in ("done", "aborted", "failed"):
@@ -304,9 +309,8 @@ class Actuator:
     def _abort(self, flight: Flight, why: str, now: float) -> list[wire.Message]:
         if flight.switched_by_status:
             return self._apply(flight, self.machine.if_switched(flight), now)
-        flight.abort_reason = why
+        out = [self.ledger.enter(flight, "aborting", now, why=why)]
         self.log.warning("aborting migration", migration_id=flight.id, job=flight.job, why=why)
-        out = [self.ledger.enter(flight, "aborting", now, detail={"why": why})]
         # Everyone may have aborted already.
         self._apply(flight, self.machine.if_aborted(flight), now)
         return out
