@@ -150,6 +150,12 @@ class Metrics:
         self.migrations_in_flight = Gauge(
             "tmd_migrations_in_flight", "Migrations the actuator is driving", registry=r
         )
+        self.actuator_ignored = Counter(
+            "tmd_actuator_ignored_total",
+            "Well-formed messages the actuator would not act on, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.actuator_errors = Counter(
             "tmd_actuator_errors_total",
             "Unexpected errors in the actuator (it carries on), by what it was doing",

@@ -22,6 +22,10 @@ from tmd.config import GuardrailsConfig
 from tmd.daemon import events
 
 URGENT_POLICIES = frozenset({"failover", "alert"})
+UNBUDGETED_POLICIES = frozenset({"runtime"})
+"""Not the daemon's decisions: a failover the job's runtime did on its own is recorded
+(and cools its machine down) but not counted against ``max_per_hour``, which bounds
+what the daemon starts; a job's status, forged or not, cannot spend that budget."""
 DRY_RUN = "dry run: decisions are journaled, nothing is executed"
 
 
@@ -39,7 +43,8 @@ class GuardState:
     def record_start(self, decision: events.Migrate, now: float) -> None:
         self.in_flight[decision.job] = self.in_flight.get(decision.job, 0) + 1
         self.last_on_node[decision.node] = now
-        self.started.append(now)
+        if decision.policy not in UNBUDGETED_POLICIES:
+            self.started.append(now)
 
     def record_end(self, job: str) -> None:
         left = self.in_flight.get(job, 0) - 1

@@ -39,7 +39,8 @@ def reconcile(
         if is_restart(row):  # not counted as a migration, but its machine cools down
             guard.last_restart[(row.job, row.leaver)] = row.created_ts
             continue
-        guard.started.append(row.created_ts)
+        if not row.detail.get("runtime_id"):  # the runtime's own: not the daemon's budget
+            guard.started.append(row.created_ts)
         guard.last_on_node[row.leaver] = row.created_ts
     for row in ledger.journal.in_flight():
         if row.id in ledger.flights:

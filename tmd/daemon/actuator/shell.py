@@ -60,6 +60,7 @@ class Actuator:
         self.emit = emit
         self.metrics = metrics
         self.log = log.get("actuator")
+        self._ignored_logged: set[str] = set()
         self.machine = PhaseMachine(config)
         self.ledger = Ledger(
             machine=self.machine, journal=journal, emit=emit, metrics=metrics,
@@ -217,7 +218,20 @@ class Actuator:
             return []  # an answer to someone else's, or a finished, migration
         if ack.job != flight.job:
             return []
+        if flight.members and ack.node not in flight.members | {flight.joiner}:
+            # Only the job's machines and the joiner take part: an answer from anyone
+            # else is forged or misdirected, and must not move the migration.
+            self._ignore("ack_not_a_participant", f"{ack.node} answered {flight.id}")
+            return []
         return self._apply(flight, self.machine.on_ack(flight, ack, now), now)
+
+    def _ignore(self, reason: str, what: str) -> None:
+        """Count a message not acted on; logged once per reason."""
+        if self.metrics is not None:
+            self.metrics.actuator_ignored.labels(reason=reason).inc()
+        if reason not in self._ignored_logged:
+            self._ignored_logged.add(reason)
+            self.log.warning("ignored a message", reason=reason, what=what)
 
     def _on_status(self, status: wire.JobStatus, now: float) -> list[wire.Message]:
         before = self.memberships.get(status.job)

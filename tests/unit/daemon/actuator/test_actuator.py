@@ -593,3 +593,32 @@ def test_a_failed_answer_after_the_status_showed_the_switch_does_not_abort_it(
     assert h.actuator.flights[mid].phase == "switching"
     h.feed(*(ack(mid, "switched", n, 0.2) for n in ["w0", "w1", "s0"]), now=T0 + 4)
     assert [(e.migration_id, e.outcome) for e in h.finished()] == [(mid, "done")]
+
+
+def test_answers_from_outside_a_migration_move_nothing(h: Harness) -> None:
+    """Only the job's machines and the joiner answer for a migration: a forged or
+    misdirected ack of any kind, from any other node, changes nothing."""
+    mid = start(h)
+    for kind in ("failed", "aborted", "switched", "prepared"):
+        assert h.feed(ack(mid, kind, "intruder")) == []
+    flight = h.actuator.flights[mid]
+    assert flight.phase == "preparing" and h.finished() == []
+    out = h.feed(*(ack(mid, "prepared", n) for n in WORKERS))
+    assert [type(m) for m in out] == [wire.Switch]  # the real answers still count
+
+
+def test_the_job_s_own_failovers_do_not_spend_the_hourly_budget(tmp_path: Path) -> None:
+    """max_per_hour bounds what the daemon starts; failovers the runtime did (which a
+    job's status, forged or not, reports) are recorded but not counted, before and
+    after a restart of the daemon."""
+    h = Harness(tmp_path / "journal.sqlite3", max_per_hour=1)
+    h.status(status(standbys={"s0": "ready", "s1": "ready", "s2": "ready"}))
+    h.status(status(1, ["w0", "s0", "w2"], standbys={"s1": "ready", "s2": "ready"}), T0 + 3)
+    h.feed(ack("failover-g0", "switched", "w0", 1.1))
+    assert [e.node for e in h.finished()] == ["w1"]
+    assert not h.actuator.guard_state.started  # recorded, cooled down, not budgeted
+    h.restart()
+    h.status(status(1, ["w0", "s0", "w2"], standbys={"s1": "ready", "s2": "ready"}), T0 + 5)
+    h.actuator.reconcile(T0 + 6)
+    out = h.actuator.on_event(migrate(node="w2"), T0 + 7)
+    assert [type(m) for m in out] == [wire.Prepare], h.holds()
