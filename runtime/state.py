@@ -4,18 +4,31 @@ A rank's state splits in two. The *bulk* (parameters, buffers, optimizer moments
 a fixed list of tensors, the same on every data-parallel replica; it moves once, in
 the background, as raw tensors into the joiner's already allocated ones. The *small*
 state (step, RNG of torch / numpy / python, data position, scheduler, optimizer
-hyper-parameters, anything else the user registered) is a few kilobytes, pickled,
-and is the only thing that moves at the switch.
+hyper-parameters, anything else the user registered) is a few kilobytes and is the
+only thing that moves at the switch.
+
+The small state, every other payload of the transfer channel and the checkpoint's
+``small-rank{N}.pt`` are encoded with ``torch.save`` and decoded with
+``torch.load(weights_only=True)``, not pickled: whoever can write a checkpoint or
+reach the channel could make a pickle run any code on load, while these bytes can
+build only tensors, numbers, strings, bytes, None, torch dtypes and devices, and
+lists, tuples, sets and dicts of those. So the small state holds only such values
+(numpy's RNG key travels as a list), and ``encode`` refuses anything else where it
+is sent or saved, naming where it sits, rather than leave the receiver with a
+payload it will not open.
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import pickle
 import random
+import re
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -32,7 +45,8 @@ def rng_state() -> StateDict:
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        name, key, *rest = cast("tuple[Any, ...]", numpy.random.get_state(legacy=True))
+        state["numpy"] = (name, key.tolist(), *rest)  # an ndarray would not load safely
     except ImportError:  # numpy is optional; a run without it has no numpy stream
         pass
     if torch.cuda.is_available():
@@ -46,7 +60,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        numpy.random.set_state(tuple(state["numpy"]))  # takes the key as a list
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -148,15 +162,81 @@ class TrainState:
             obj.load_state_dict(state["stateful"][name])
 
 
+# The types ``torch.load(weights_only=True)`` rebuilds by default, by exact type:
+# a subclass (numpy.float64, an IntEnum, a namedtuple, a defaultdict) pickles under
+# its own name, which the receiver refuses.
+_LEAVES: frozenset[type] = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype,
+     torch.device, torch.Tensor, torch.nn.Parameter}
+)  # fmt: skip
+_MAPPINGS: frozenset[type] = frozenset({dict, OrderedDict, Counter})
+_SEQUENCES: frozenset[type] = frozenset({list, tuple, set, torch.Size})
+_ALLOWED = (
+    "tensors, numbers, strings, bytes, None, torch dtypes and devices, and lists, "
+    "tuples, sets and dicts of these"
+)
+
+
+def check_safe(obj: Any, path: str = "") -> None:
+    """Raise ``ValueError`` naming the first value, by its dotted key path, that the
+    receiver of ``encode``-d bytes would refuse to rebuild."""
+    kind = type(obj)
+    if kind in _LEAVES:
+        return
+    if kind in _MAPPINGS:
+        for key, value in obj.items():
+            if type(key) is not str:
+                check_safe(key, f"{path}.<key {key!r}>" if path else f"<key {key!r}>")
+            check_safe(value, f"{path}.{key}" if path else str(key))
+        return
+    if kind in _SEQUENCES:
+        for i, value in enumerate(obj):
+            check_safe(value, f"{path}.{i}" if path else str(i))
+        return
+    where = path or "the payload"
+    raise ValueError(
+        f"{where}: type {kind.__module__}.{kind.__qualname__} cannot be sent or "
+        f"checkpointed safely; state may hold only {_ALLOWED}"
+    )
+
+
+def encode(obj: Any) -> bytes:
+    """``obj`` as bytes that ``decode`` rebuilds without running code; ``ValueError``
+    (see ``check_safe``) if it holds a value that would not come back."""
+    check_safe(obj)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+# What torch's refusal names: a global it will not call, or another instruction.
+_REFUSAL = re.compile(r"Unsupported global: GLOBAL (\S+)|WeightsUnpickler error:\s*(.*)")
+
+
+def decode(data: bytes, *, source: str) -> Any:
+    """Rebuild what ``encode`` wrote. Bytes that would build anything else, or that
+    are no such encoding, raise ``ValueError`` naming ``source`` and what was
+    refused; nothing in them runs."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _REFUSAL.search(str(exc))
+        if found and found.group(1):
+            what = f"it refers to {found.group(1)}"
+        else:
+            what = found.group(2) if found else str(exc).split("\n", 1)[0]
+        raise ValueError(f"{source}: refused to load ({what}); tmd loads only {_ALLOWED}") from exc
+    except (RuntimeError, EOFError) as exc:  # not a torch.save archive at all
+        raise ValueError(f"{source}: not a tmd state encoding: {exc}") from exc
+
+
 def pack(obj: Any) -> torch.Tensor:
-    """Pickle ``obj`` into a uint8 tensor a backend can send."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    """``encode`` ``obj`` into a uint8 tensor a backend can send."""
+    return torch.frombuffer(bytearray(encode(obj)), dtype=torch.uint8)
 
 
 def unpack(tensor: torch.Tensor) -> Any:
-    # Only peers of the same job, over the job's own store-authenticated channel,
-    # ever send these bytes. Read straight from the tensor's memory: ``.numpy()``
-    # would make numpy a requirement of the runtime, which it is not.
+    # Read straight from the tensor's memory: ``.numpy()`` would make numpy a
+    # requirement of the runtime, which it is not.
     flat = tensor.detach().to("cpu", torch.uint8).contiguous()
-    return pickle.loads(ctypes.string_at(flat.data_ptr(), flat.numel()))
+    return decode(ctypes.string_at(flat.data_ptr(), flat.numel()), source="transfer payload")

@@ -1,7 +1,7 @@
 """The leaver-to-joiner channel: a two-member group and the messages on it.
 
-Every message is a fixed header ``[kind, step, nbytes]`` followed by a pickled
-payload of ``nbytes`` bytes and, for some kinds, raw tensors:
+Every message is a fixed header ``[kind, step, nbytes]`` followed by a payload of
+``nbytes`` bytes and, for some kinds, raw tensors:
 
 - ``HELLO``: who the joiner will be (rank, members, generation), before it joins
   the next group.
@@ -11,6 +11,11 @@ payload of ``nbytes`` bytes and, for some kinds, raw tensors:
   joiner applies the same update, so its bulk stays bit-identical to the leaver's.
 - ``SWITCH``: the small state at the switch boundary.
 - ``ABORT``: the migration is off; the joiner goes back to standing by.
+
+Payloads are ``tmd.runtime.state.encode``-d (``torch.save``, read back with
+``torch.load(weights_only=True)``), not pickled: bytes from anyone but the leaver
+can at worst build wrong tensors and plain values on the joiner, never run code
+there.
 
 Sends are asynchronous and never copy (the leaver sends from its live tensors and
 waits for them only before it next writes those tensors); one message at a time is
@@ -69,7 +74,10 @@ class TransferChannel:
         """Start sending one message; the previous one must have been ``flush``-ed."""
         if self._pending:
             raise MigrationError("previous transfer message still in flight")
-        body = pack(payload)
+        try:
+            body = pack(payload)
+        except ValueError as exc:  # the user's state holds what cannot travel safely
+            raise MigrationError(f"cannot send {kind.name}: {exc}") from exc
         header = torch.tensor([int(kind), step, body.numel()], dtype=torch.int64)
         try:
             works = [self._group.send([header], self._peer, _TAG)]
@@ -102,7 +110,11 @@ class TransferChannel:
         kind, step, nbytes = (int(x) for x in raw.tolist())
         body = torch.empty(nbytes, dtype=torch.uint8)
         self._recv(body)
-        return Header(Kind(kind), step, nbytes), unpack(body)
+        header = Header(Kind(kind), step, nbytes)
+        try:
+            return header, unpack(body)
+        except ValueError as exc:
+            raise MigrationError(f"{header.kind.name} from the leaver: {exc}") from exc
 
     def recv_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Receive into ``tensors`` in place (all posted at once, then waited)."""
