@@ -4,8 +4,13 @@ member after a collective failed.
 While the leaver streams state, a dead joiner shows up as a failed send. Between
 ``prepared`` and the switch request nothing flows, and gloo offers no cheap way to
 watch an idle pair (a receive that outlives the group timeout closes the pair). So
-the joiner beats a timestamp into the job's store from a thread, and the leaver
-reads it from another thread; the step boundary only reads a flag.
+the joiner counts up a beat counter in the job's store from a thread, and the leaver
+reads it from another thread, noting on its own monotonic clock when the count last
+changed; the step boundary only reads a flag. No wall clock crosses machines, so two
+machines whose clocks disagree still see each other right. The counter only ever
+grows (a standby that joins a later migration counts on from where it stopped), and
+only a change seen after the watch started counts as a beat: what an earlier
+beating period left in the store is no sign of life.
 
 After a collective failed, the survivors must tell a dead member from a slow one (one
 still computing its step registers as alive only once it reaches the collective).
@@ -106,7 +111,7 @@ class Presence:
 
 
 class Heartbeat:
-    """Writes ``time.time()`` under this node's key every ``interval`` until closed."""
+    """Counts up this node's beat counter every ``interval`` until closed."""
 
     def __init__(
         self, store: StoreAddress, node: str, *, interval: timedelta = timedelta(seconds=0.5)
@@ -120,7 +125,7 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
-        put(self._store, self._key, repr(time.time()).encode())
+        self._store.add(self._key, 1)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -140,8 +145,9 @@ class Heartbeat:
 
 
 class PeerWatch:
-    """Reads a node's heartbeat every ``interval``; ``lost`` once it is ``stale_after``
-    old (or never appeared within that long)."""
+    """Reads a node's beat counter every ``interval``; ``lost`` once it has not changed
+    for ``stale_after`` on this process's monotonic clock (or not once within that long
+    of the watch starting: the count it first reads may be an earlier period's)."""
 
     def __init__(
         self,
@@ -157,21 +163,30 @@ class PeerWatch:
         self._stale = stale_after.total_seconds()
         self._lost = threading.Event()
         self._stop = threading.Event()
-        self._started = time.time()
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tmd-peer-watch", daemon=True)
         self._thread.start()
 
+    def _count(self) -> int:
+        # Adding 0 reads the counter in one round trip; an absent key reads as 0.
+        return int(self._store.add(self._key, 0))
+
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        seen: int | None = None  # the count as last read; None until a read succeeded
+        changed = self._started  # when the count was last seen to change
+        while True:
             try:
-                if self._store.check([self._key]):
-                    last = float(bytes(self._store.get(self._key)))
-                else:
-                    last = self._started
+                count = self._count()
             except (RuntimeError, ValueError):
-                continue  # a store hiccup is not evidence of death
-            if time.time() - last > self._stale:
-                self._lost.set()
+                pass  # a store hiccup is not evidence of death
+            else:
+                if seen is not None and count != seen:
+                    changed = time.monotonic()
+                seen = count
+                if time.monotonic() - changed > self._stale:
+                    self._lost.set()
+                    return
+            if self._stop.wait(self._interval):
                 return
 
     def lost(self) -> bool:

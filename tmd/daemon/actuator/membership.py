@@ -5,8 +5,9 @@ than any daemon could react. The actuator notices that from the job's status (a 
 generation with a different node at a rank, without a migration of its own) and
 journals it as a finished migration, so policies, guardrails and ``tmd events`` see
 it like any other. A status of a higher run (the launcher's restart count) is a new run
-of the job, restarted from its checkpoint, and so is one whose generation and step went
-back (``since``). The runtime's answers about its own failovers may come before the
+of the job, restarted from its checkpoint, whatever time its new rank 0's clock put on
+it; where the run cannot tell, so is a newer one whose generation and step went back
+(``since``). The runtime's answers about its own failovers may come before the
 status that explains them; they wait here to be claimed.
 
 The last membership of each job is kept in the journal, so that a restarted daemon
@@ -79,19 +80,29 @@ def since(before: Membership, status: wire.JobStatus) -> Since:
     job, a status of this run (``next``), or one older than ``before`` delivered
     ``late``.
 
-    A higher run is a new run whatever its generation and step: the usual restart
+    Statuses are ordered by what the job counts, its run, then its generation and step,
+    not by their time: each member stamps ``ts`` on its own machine's clock, and a
+    restarted job's new rank 0 may run on a machine whose clock is behind the old one's.
+    A higher run is a new run whatever its generation, step and time: the usual restart
     starts again at generation 0 from the checkpoint at the step the old run ended on,
-    and says so only by its run. A status behind ``before`` (a lower run, or the same
-    run with its generation and step gone back) is late if it is no newer; if it is
-    newer, it is a new run that did not count up: a runtime from before runs (always
-    run 0), or a job launched again from scratch (its launcher counts from 0 again)."""
+    and says so only by its run. A status of the same run whose generation and step did
+    not go back is the ``next`` (a tie too: a status sent again). One of the same
+    counted run (run 1 or more) whose generation or step went back is late: the
+    launcher that counted it would have counted a restart too.
+
+    Only where the counts cannot tell, the time decides, and then only with clocks
+    that agree: a status is a new run if it is newer than ``before``, else late. That
+    is a lower run (a status of an earlier run, or a job launched again from scratch,
+    its launcher counting from 0 again), and run 0 gone back (a runtime from before
+    runs, whose statuses carry none and decode as run 0, or a launcher that does not
+    count its restarts)."""
     if status.run > before.run:
         return "new run"
-    if status.run == before.run and (status.generation, status.step) >= (
-        before.generation,
-        before.step,
-    ):
-        return "next"
+    if status.run == before.run:
+        if (status.generation, status.step) >= (before.generation, before.step):
+            return "next"
+        if status.run > 0:
+            return "late"
     return "new run" if status.ts > before.ts else "late"
 
 
