@@ -2,6 +2,10 @@
 or its heartbeats (the 1 Hz GPU samples) stopped for longer than the timeout.
 
 One finding per loss: a node found lost is reported again only after it came back.
+Only while the daemon's own view is trusted (``tmd.daemon.freshness``): silences count
+from when it became current, and a Last Will read while it was not (a broker that
+was paused replays them) is held until it is; it is reported then if the node has
+not beaten since.
 """
 
 from __future__ import annotations
@@ -41,11 +45,15 @@ class NodeLostDetector(Detector):
         super().__init__(config, context=context)
         self._last_beat: dict[str, float] = {}
         self._lost: dict[str, float] = {}  # node -> when it was found lost
+        self._offline: dict[str, float] = {}  # node -> Last Will read while not trusted
 
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:
         node = event.node
         if isinstance(event, wire.NodeStatus) and event.state == "offline":
             self._last_beat.pop(node, None)
+            if self.context.view.freshness.since(now) is None:
+                self._offline[node] = now  # judged once the view is trusted again
+                return
             if node not in self._lost:
                 self._lost[node] = now
                 yield events.NodeLost(
@@ -53,13 +61,24 @@ class NodeLostDetector(Detector):
                 )
             return
         self._lost.pop(node, None)
+        self._offline.pop(node, None)
         self._last_beat[node] = now
 
     def tick(self, now: float) -> Iterable[events.Event]:
+        since = self.context.view.freshness.since(now)
+        if since is None:
+            return  # the view is stale or settling: silence proves nothing
         timeout = self.config.heartbeat_timeout_s
-        silent = [n for n, t in self._last_beat.items() if now - t > timeout]
         for node in [n for n, t in self._lost.items() if now - t > self.config.forget_after_s]:
             del self._lost[node]
+        offline, self._offline = self._offline, {}
+        for node in offline:
+            if node not in self._lost and node not in self._last_beat:
+                self._lost[node] = now
+                yield events.NodeLost(
+                    ts=now, node=node, cause="last_will", detail="agent's Last Will: offline"
+                )
+        silent = [n for n, t in self._last_beat.items() if now - max(t, since) > timeout]
         for node in silent:
             del self._last_beat[node]
             self._lost[node] = now

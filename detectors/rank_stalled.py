@@ -4,7 +4,9 @@ In data-parallel training a rank whose process hangs usually stalls everyone in 
 next all-reduce; a rank that goes silent while the others keep stepping has lost its
 telemetry path, its process or its machine. Reported once per stall; a rank that
 reports again re-arms. A job whose ranks all stop is not a rank stall. Reads the
-cluster view on each tick (O(ranks) a second), not every telemetry message.
+cluster view on each tick (O(ranks) a second), not every telemetry message, and only
+while the daemon's view is trusted (``tmd.daemon.freshness``), counting silences from
+when it became current.
 """
 
 from __future__ import annotations
@@ -44,20 +46,23 @@ class RankStalledDetector(Detector):
         self._reported: dict[tuple[str, int], int] = {}  # (job, rank) -> its last step then
 
     def tick(self, now: float) -> Iterable[events.Event]:
+        since = self.context.view.freshness.since(now)
+        if since is None:
+            return  # the daemon's view is stale or settling: silence proves nothing
         jobs = self.context.view.jobs
         for key in [k for k in self._reported if k[0] not in jobs]:
             del self._reported[key]
         for name, job in jobs.items():
-            yield from self._check(name, job, now)
+            yield from self._check(name, job, now, since)
 
-    def _check(self, name: str, job: JobView, now: float) -> Iterator[events.Event]:
+    def _check(self, name: str, job: JobView, now: float, since: float) -> Iterator[events.Event]:
         cfg = self.config
-        if not job.ranks or now - job.last_seen > cfg.stall_after_s:
+        if not job.ranks or now - max(job.last_seen, since) > cfg.stall_after_s:
             return  # nobody is stepping: a job stall, not a rank stall
         front = max(r.last_step for r in job.ranks.values())
         for r, rank in job.ranks.items():
             if (
-                now - rank.last_seen <= cfg.stall_after_s
+                now - max(rank.last_seen, since) <= cfg.stall_after_s
                 or front - rank.last_step < cfg.stall_steps
             ):
                 continue

@@ -139,6 +139,11 @@ class IngestConfig:
     max_nodes: int = 65536
     forget_after_s: float = 3600.0  # drop nodes and jobs silent this long
     reject_log_interval_s: float = 60.0  # one log line per (topic kind, reason) per interval
+    # The daemon's own lag (tmd.daemon.freshness): a probe through the broker this often;
+    # the view is stale past this lag, and trusted again this long after it is current.
+    probe_interval_s: float = 1.0
+    stale_lag_s: float = 5.0
+    stale_settle_s: float = 5.0
 
     def validate(self) -> None:
         _check(
@@ -158,6 +163,9 @@ class IngestConfig:
         _check(self.max_nodes >= 1, "ingest.max_nodes", "must be >= 1")
         _check(self.forget_after_s > 0, "ingest.forget_after_s", "must be > 0")
         _check(self.reject_log_interval_s >= 0, "ingest.reject_log_interval_s", "must be >= 0")
+        _check(0 < self.probe_interval_s <= 60, "ingest.probe_interval_s", "must be in (0, 60]")
+        _check(self.stale_lag_s > 0, "ingest.stale_lag_s", "must be > 0")
+        _check(self.stale_settle_s >= 0, "ingest.stale_settle_s", "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,11 +26,13 @@ def _address() -> str | bytes | None:
     return None
 
 
-def notify(*fields: str) -> bool:
+def notify(*fields: str, wait_s: float = 1.0) -> bool:
     """Send ``fields`` (e.g. ``"READY=1"``, ``"STATUS=serving"``) as one notification.
 
     Returns True when the datagram was sent, False when there is no (usable)
-    ``NOTIFY_SOCKET`` or sending failed. Never raises: losing a notification must
+    ``NOTIFY_SOCKET`` or sending failed. Never raises, and waits at most ``wait_s``
+    for room in the socket (the daemon calls it from its event loop, and a datagram
+    socket whose reader fell behind blocks its senders): losing a notification must
     not take the daemon down, and systemd's own timeouts report the consequence.
     """
     address = _address()
@@ -39,6 +41,7 @@ def notify(*fields: str) -> bool:
     payload = "\n".join(fields).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(wait_s)  # 0: never wait
             sock.sendto(payload, address)
     except OSError:
         return False
@@ -58,8 +61,9 @@ def stopping() -> bool:
 
 
 def watchdog_ping() -> bool:
-    """Keep the service watchdog (``WatchdogSec=``) from firing (``WATCHDOG=1``)."""
-    return notify("WATCHDOG=1")
+    """Keep the service watchdog (``WatchdogSec=``) from firing (``WATCHDOG=1``). Never
+    waits: a ping that finds no room is dropped, the next one follows soon."""
+    return notify("WATCHDOG=1", wait_s=0.0)
 
 
 def watchdog_interval() -> datetime.timedelta | None:

@@ -298,6 +298,11 @@ def job_topic(job: str, kind: Literal["status", "ctl", "ack"]) -> str:
     return f"{PREFIX}/job/{job}/{kind}"
 
 
+def probe_topic(daemon: str) -> str:
+    """A daemon's own lag probe: it alone publishes and reads it (``tmd.daemon.freshness``)."""
+    return f"{PREFIX}/daemon/{daemon}/probe"
+
+
 SUBSCRIPTIONS: Final = (
     f"{PREFIX}/node/+/status",
     f"{PREFIX}/node/+/gpu",

@@ -149,6 +149,7 @@ def test_run_notifies_ready_serves_and_stops_cleanly(
         deadline = time.monotonic() + 20
         while "NodeLost" not in (events := tmd("events", "--api", api)).stdout:
             assert time.monotonic() < deadline, events
+            pending_datagrams(notify_socket)  # read on, as systemd does
             time.sleep(0.3)
         assert "cli-node" in events.stdout and "heartbeat" in events.stdout
 

@@ -133,3 +133,19 @@ def test_watchdog_interval(
             real = {"self": str(os.getpid()), "other": str(os.getpid() + 1)}.get(value, value)
             monkeypatch.setenv(key, real)
     assert sdnotify.watchdog_interval() == expected
+
+
+def test_a_reader_that_fell_behind_never_blocks_the_sender(listener: socket.socket) -> None:
+    """The daemon pings from its event loop: once the socket's queue is full (nobody
+    reads it), a ping is dropped, not waited for. Run in a thread so a blocked send
+    fails the test instead of hanging it."""
+    import threading
+
+    sent: list[bool] = []
+    sender = threading.Thread(
+        target=lambda: sent.extend(sdnotify.watchdog_ping() for _ in range(2000)), daemon=True
+    )
+    sender.start()
+    sender.join(30)
+    assert not sender.is_alive(), "a notification blocked on a full socket"
+    assert sent[0] and not all(sent)  # the first went out, the overflow was dropped

@@ -125,6 +125,7 @@ class Daemon:
             "ok": self.ingest.connected and lag_ok,
             "mqtt": "connected" if self.ingest.connected else "disconnected",
             "loop_lag_s": round(self.loop_lag_s, 4),
+            "view": self.view.freshness.state(self.clock.now()),
             "plugins": up,
         }
 
@@ -133,6 +134,7 @@ class Daemon:
             await self.api.start()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.ingest.run(), name="ingest")
+                tg.create_task(self.ingest.probe(), name="probe")
                 for runner in self.runners:
                     tg.create_task(runner.run(), name=f"plugin:{runner.spec.name}")
                 tg.create_task(

@@ -15,7 +15,10 @@ O(size of the message).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -26,6 +29,7 @@ from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
 from tmd.connection import ClientFactory, reconnect_forever
 from tmd.daemon.bus import Bus
+from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
 from tmd.errors import ProtocolError, PublishError, TmdError
@@ -89,6 +93,13 @@ class Ingest:
         self.subscribed = asyncio.Event()
         self.connected = False
         self._client_now: aiomqtt.Client | None = None
+        # This daemon's lag probe, on a topic of its own (not shared with other heads).
+        self.probe_topic = wire.probe_topic(f"d{secrets.token_hex(6)}")
+        self.freshness = view.freshness = Freshness(
+            interval_s=config.probe_interval_s,
+            max_lag_s=config.stale_lag_s,
+            settle_s=config.stale_settle_s,
+        )
 
     # -- the edge: one message in ----------------------------------------------------
 
@@ -100,6 +111,9 @@ class Ingest:
         the bus, so a daemon restart does not replay old Last Wills as new losses
         (policies reconcile such state from the view on their ticks)."""
         now = self._clock.now()
+        if topic == self.probe_topic:
+            self._probe_back(payload, now)
+            return
         kind = "unknown"
         try:
             try:
@@ -173,6 +187,30 @@ class Ingest:
             suppressed_since_last=suppressed,
         )
 
+    # -- the daemon's own lag ------------------------------------------------------------
+
+    def _probe_back(self, payload: bytes, now: float) -> None:
+        try:
+            sent = float(payload)
+        except ValueError:
+            return  # not ours (only this daemon writes the topic): nothing to learn
+        self.freshness.answered(sent, now)
+        self._metrics.ingest_lag.set(self.freshness.last_lag_s)
+
+    async def probe(self) -> None:
+        """Publish a probe stamped with the daemon's clock every ``probe_interval_s``,
+        and export how far behind the view is (``tmd_ingest_lag_seconds``)."""
+        while True:
+            now = self._clock.now()
+            client = self._client_now
+            if client is not None:
+                with contextlib.suppress(aiomqtt.MqttError):
+                    await client.publish(self.probe_topic, repr(now).encode(), qos=0)
+            lag = self.freshness.lag_s(now)
+            self._metrics.ingest_lag.set(lag if math.isfinite(lag) else -1.0)
+            self._metrics.view_stale.set(0 if self.freshness.state(now) == "current" else 1)
+            await asyncio.sleep(self._config.probe_interval_s)
+
     # -- the way out: the actuator's commands ------------------------------------------
 
     async def publish(self, topic: str, payload: bytes, *, qos: int = 1) -> None:
@@ -206,6 +244,7 @@ class Ingest:
         self.connected = False
         self._client_now = None
         self._metrics.mqtt_connected.set(0)
+        self.freshness.connection(False, self._clock.now())
 
     def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
         """How the client queues incoming messages: not at all, handled inline."""
@@ -218,10 +257,16 @@ class Ingest:
                 [(prefix + t, 1) for t in wire.SUBSCRIPTIONS],
                 timeout=self._mqtt.connect_timeout_s,
             )
+            granted = [
+                *granted,
+                *await client.subscribe(self.probe_topic, qos=0,
+                                        timeout=self._mqtt.connect_timeout_s),
+            ]  # fmt: skip
             if refused := _refused(granted):
                 # Not ready, not healthy: an ACL that refuses us must not look like a
                 # quiet cluster. Retried with back-off like a lost connection.
                 raise SubscriptionRefused(f"broker refused the subscriptions: {refused}")
+            self.freshness.connection(True, self._clock.now())
             self.connected = True
             self._client_now = client
             self._metrics.mqtt_connects.inc()

@@ -150,6 +150,17 @@ class Metrics:
         self.migrations_in_flight = Gauge(
             "tmd_migrations_in_flight", "Migrations the actuator is driving", registry=r
         )
+        self.ingest_lag = Gauge(
+            "tmd_ingest_lag_seconds",
+            "How far behind the daemon's view is: its last probe's trip through the broker,"
+            " or how overdue the next one is (-1: none came back yet)",
+            registry=r,
+        )
+        self.view_stale = Gauge(
+            "tmd_view_stale",
+            "1 while the view is stale or settling: no absence findings, no migrations start",
+            registry=r,
+        )
         self.actuator_ignored = Counter(
             "tmd_actuator_ignored_total",
             "Well-formed messages the actuator would not act on, by reason",

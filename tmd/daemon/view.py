@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tmd import wire
+from tmd.daemon.freshness import Freshness
 from tmd.errors import ProtocolError
 
 # Order of the per-step durations stored in RankState.timings.
@@ -186,6 +187,9 @@ class ClusterView:
         self.jobs: dict[str, JobView] = {}
         self.nodes: dict[str, NodeView] = {}
         self.total_ranks = 0
+        # Whether this view is current (``tmd.daemon.freshness``); a view fed directly
+        # is; the daemon installs one its ingest keeps up to date.
+        self.freshness = Freshness.always()
         self._faults: dict[str, float] = {}  # node -> when a GpuFault or NodeLost came
         self._lost: dict[str, float] = {}  # node -> when a NodeLost came
 

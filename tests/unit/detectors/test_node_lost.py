@@ -78,3 +78,43 @@ def test_lost_nodes_are_forgotten_after_a_while() -> None:
     assert "gone" in detector._lost
     list(detector.tick(T0 + 101))
     assert "gone" not in detector._lost
+
+
+def test_nothing_is_lost_while_the_daemon_s_own_view_is_not_current() -> None:
+    """A paused broker: every heartbeat stops, and on resume it replays Last Wills of
+    agents whose connections it timed out. Nothing is found while the view is stale or
+    settling; silences count from when it became current; a Last Will read meanwhile
+    is reported once trusted, unless the node beat since."""
+    from tmd.daemon.freshness import Freshness
+
+    clock = FakeClock(T0)
+    view = ClusterView()
+    view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=5.0)
+    f.connection(True, T0)
+    f.answered(T0, T0)
+    detector = NodeLostDetector(
+        NodeLostConfig(heartbeat_timeout_s=10), context=Context(view=view, clock=clock)
+    )
+
+    def run(offset: float, event: Any = "tick") -> list[tuple[str, str]]:
+        now = T0 + offset
+        if event == "tick":
+            f.answered(now, now)  # the probe came back: current
+            found = list(detector.tick(now))
+        else:
+            found = list(detector.observe(event, now))
+        return [(e.node, e.cause) for e in found]
+
+    for node in ("a", "b", "c"):
+        assert run(6, beat(node)) == []
+    assert run(7) == []
+    # The broker pauses for 30 s: no probe, no beat; the view goes stale.
+    assert list(detector.tick(T0 + 37)) == []
+    f.answered(T0 + 37, T0 + 37.5)  # resumed: the first probe back
+    assert run(37.6, status("a", "offline")) == []  # replayed Last Wills
+    assert run(37.6, status("b", "offline")) == []
+    assert run(38, beat("b")) == []  # b is alive after all
+    assert run(40) == []  # settling
+    assert run(43) == [("a", "last_will")]  # trusted: a never came back
+    assert run(46) == []  # c's silence counts from 37.5, not from 6
+    assert run(48) == [("c", "heartbeat")]

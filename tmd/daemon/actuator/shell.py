@@ -39,6 +39,10 @@ Publish = Callable[[str, bytes], Awaitable[None]]
 TICK_S = 0.5
 
 
+MAX_DEFERRED = 4096
+"""Decisions kept while the daemon's view is not current (one per job and machine)."""
+
+
 class Actuator:
     def __init__(
         self,
@@ -61,6 +65,9 @@ class Actuator:
         self.metrics = metrics
         self.log = log.get("actuator")
         self._ignored_logged: set[str] = set()
+        # Decisions taken while the daemon's view was stale or settling, by (job, node):
+        # none starts until the view is trusted again (``tmd.daemon.freshness``).
+        self._deferred: dict[tuple[str, str], events.Migrate | events.CheckpointRestart] = {}
         self.machine = PhaseMachine(config)
         self.ledger = Ledger(
             machine=self.machine, journal=journal, emit=emit, metrics=metrics,
@@ -78,6 +85,11 @@ class Actuator:
 
     def on_event(self, event: object, now: float) -> list[wire.Message]:
         """Feed one bus event; returns the commands to publish, in order."""
+        if isinstance(event, (events.Migrate, events.CheckpointRestart)) and (
+            self.view.freshness.since(now) is None
+        ):
+            self._defer(event, now)
+            return []
         if isinstance(event, events.Migrate):
             return self._on_migrate(event, now)
         if isinstance(event, events.CheckpointRestart):
@@ -91,6 +103,11 @@ class Actuator:
     def on_tick(self, now: float) -> list[wire.Message]:
         """Timeouts and resends; returns the commands to publish."""
         out: list[wire.Message] = []
+        if self._deferred and self.view.freshness.since(now) is not None:
+            deferred, self._deferred = self._deferred, {}
+            self.log.info("the view is current again: deciding", decisions=len(deferred))
+            for decision in deferred.values():
+                out += self.on_event(decision, now)
         for flight in list(self.flights.values()):
             out += self._apply(
                 flight, self.machine.on_tick(flight, now, self.view.jobs.get(flight.job)), now
@@ -224,6 +241,27 @@ class Actuator:
             self._ignore("ack_not_a_participant", f"{ack.node} answered {flight.id}")
             return []
         return self._apply(flight, self.machine.on_ack(flight, ack, now), now)
+
+    def _defer(self, decision: events.Migrate | events.CheckpointRestart, now: float) -> None:
+        """Keep ``decision`` (the latest per job and machine) until the view is trusted;
+        past ``MAX_DEFERRED`` the oldest is dropped as a ``Hold``, so its policy may
+        decide again."""
+        key = (decision.job, decision.node)
+        self._deferred.pop(key, None)
+        self._deferred[key] = decision
+        if len(self._deferred) > MAX_DEFERRED:
+            oldest = next(iter(self._deferred))
+            dropped = self._deferred.pop(oldest)
+            why = f"more than {MAX_DEFERRED} decisions deferred while the view was stale"
+            self.emit(
+                events.Hold(ts=now, policy=SOURCE, job=dropped.job, node=dropped.node,
+                            reason=f"{dropped.policy}'s decision about {dropped.node} dropped: "
+                            f"{why}", held=dropped.policy),
+                SOURCE,
+            )  # fmt: skip
+        if len(self._deferred) == 1:
+            state = self.view.freshness.state(now)
+            self.log.warning("deferring decisions: the daemon's view is not current", view=state)
 
     def _ignore(self, reason: str, what: str) -> None:
         """Count a message not acted on; logged once per reason."""

@@ -622,3 +622,25 @@ def test_the_job_s_own_failovers_do_not_spend_the_hourly_budget(tmp_path: Path) 
     h.actuator.reconcile(T0 + 6)
     out = h.actuator.on_event(migrate(node="w2"), T0 + 7)
     assert [type(m) for m in out] == [wire.Prepare], h.holds()
+
+
+def test_no_migration_starts_while_the_view_is_stale_and_one_decided_then_runs_after(
+    h: Harness,
+) -> None:
+    """Decisions taken while the daemon's view is stale or settling are kept, the
+    latest per job and machine, and run once it is trusted again."""
+    from tmd.daemon.freshness import Freshness
+
+    h.status(status())
+    h.view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=5.0)
+    f.connection(True, T0)
+    f.answered(T0, T0)
+    assert h.actuator.on_event(migrate(policy="failover"), T0 + 1) == []  # settling
+    for t in range(1, 5):  # its probes keep coming back; settling until T0 + 5
+        f.answered(T0 + t, T0 + t)
+        assert h.actuator.on_tick(T0 + t) == []
+    assert h.holds() == [] and h.actuator.flights == {}
+    f.answered(T0 + 5, T0 + 5)
+    out = h.actuator.on_tick(T0 + 5.5)
+    assert [type(m) for m in out] == [wire.Prepare] and out[0].leaver == "w2"  # type: ignore[attr-defined]
+    assert h.actuator.on_tick(T0 + 6) == []  # once
