@@ -158,7 +158,7 @@ class Ingest:
             if message.node != owner:
                 raise ProtocolError("mismatch", "node differs from the topic")
             if kind == "node_status":
-                view.apply_node_status(message, now)
+                view.apply_node_status(message, now, live=publish)
             elif kind == "gpu":
                 view.apply_gpu(message, now)
             else:

@@ -131,6 +131,9 @@ class JobView:
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_seen: float = 0.0
     status_ts: float = 0.0
+    status_seen: float = 0.0
+    """When (daemon time) the last status published live arrived: the agent (re)started
+    or reconnected then. A retained copy replayed on subscribing does not count."""
 
     def machines(self) -> dict[str, list[int]]:
         """The job's machines, each with its ranks in local-rank order: what acts on a
@@ -156,6 +159,9 @@ class NodeView:
     xids: deque[wire.XidEvent] = field(default_factory=lambda: deque(maxlen=32))
     last_seen: float = 0.0
     status_ts: float = 0.0
+    status_seen: float = 0.0
+    """When (daemon time) the last status published live arrived: the agent (re)started
+    or reconnected then. A retained copy replayed on subscribing does not count."""
 
 
 @dataclass
@@ -190,7 +196,7 @@ class ClusterView:
         # Whether this view is current (``tmd.daemon.freshness``); a view fed directly
         # is; the daemon installs one its ingest keeps up to date.
         self.freshness = Freshness.always()
-        self._faults: dict[str, float] = {}  # node -> when a GpuFault or NodeLost came
+        self._faults: dict[str, float] = {}  # node -> when a GpuFault came
         self._lost: dict[str, float] = {}  # node -> when a NodeLost came
 
     # -- apply: one per wire type, each O(size of the message) ---------------------------
@@ -254,9 +260,12 @@ class ClusterView:
             del job.ranks[rank]
             self.total_ranks -= 1
 
-    def apply_node_status(self, status: wire.NodeStatus, now: float) -> None:
+    def apply_node_status(self, status: wire.NodeStatus, now: float, *, live: bool = True) -> None:
+        """``live``: published now, not a retained copy replayed by the broker."""
         node = self._node(status.node, now)
         node.status_ts = status.ts
+        if live:
+            node.status_seen = now
         node.state = status.state
         node.role = status.role
         if status.gpus:
@@ -294,22 +303,21 @@ class ClusterView:
     def note_fault(self, node: str, ts: float, *, lost: bool = False) -> None:
         """A GpuFault or NodeLost (``lost``) on ``node`` at ``ts`` (daemon time): no
         standby to move work onto until it proves itself again."""
-        _note(self._faults, node, ts, self.max_nodes)
-        if lost:
-            _note(self._lost, node, ts, self.max_nodes)
+        _note(self._lost if lost else self._faults, node, ts, self.max_nodes)
 
     def healthy(self, node: str) -> bool:
-        """No GpuFault or NodeLost on ``node`` since its agent last reported."""
+        """No GpuFault on ``node`` since its agent last (re)started, and not ``lost``.
+        Judged on the daemon's clock, as messages arrived: an agent's own clock (its
+        messages' ts) may be anywhere."""
         since = self._faults.get(node)
-        if since is None:
-            return True
-        # A lost node is back once its agent reported after the loss; a GPU fault
-        # keeps the node out until its agent restarts (a repaired node's agent does).
-        seen = self.nodes.get(node)
-        if seen is not None and seen.state == "online" and seen.status_ts > since:
+        if since is not None:
+            # A GPU fault keeps the node out until its agent restarts (a repaired
+            # node's agent does) and publishes its status live after the fault.
+            seen = self.nodes.get(node)
+            if seen is None or seen.state != "online" or seen.status_seen <= since:
+                return False
             del self._faults[node]
-            return True
-        return False
+        return not self.lost(node)
 
     def lost(self, node: str) -> bool:
         """Whether ``node`` is offline, or a NodeLost came and nothing from its agent

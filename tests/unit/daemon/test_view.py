@@ -197,12 +197,18 @@ def test_a_faulty_standby_is_out_until_its_agent_reports_after_the_fault() -> No
     view = standby_view({"s0": "ready", "s1": "ready"})
     view.apply_node_status(node("s0"), TS)
     view.note_fault("s0", TS + 5)  # a GpuFault
-    view.note_fault("s1", TS + 5)  # a NodeLost, its node never reported
+    view.note_fault("s1", TS + 5, lost=True)  # a NodeLost, its node never reported
     assert view.ready_standbys("j") == [] and not view.healthy("s0")
-    view.apply_node_status(node("s0", ts=TS + 4), TS + 6)  # from before the fault
+    view.apply_node_status(node("s0", ts=TS + 4), TS + 6, live=False)  # a retained copy
+    view.apply_gpu(wire.NodeGpu(ts=TS + 6, node="s0"), TS + 6)  # a GPU fault outlives beats
     assert view.ready_standbys("j") == []
-    view.apply_node_status(node("s0", ts=TS + 7), TS + 7)  # its agent restarted
+    # Its agent restarted, on a clock an hour behind the daemon's: received after.
+    view.apply_node_status(node("s0", ts=TS - 3600), TS + 7)
     assert view.ready_standbys("j") == ["s0"] and view.healthy("s0")
+    # s1 was lost: back once anything of its agent arrives after the loss, whatever
+    # its clock says (here after an outage that made the daemon think it lost).
+    view.apply_gpu(wire.NodeGpu(ts=TS - 3600, node="s1"), TS + 8)
+    assert view.ready_standbys("j") == ["s0", "s1"]
 
 
 def test_a_standby_must_carry_the_leavers_gpu_model_when_both_are_known() -> None:
