@@ -330,6 +330,14 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     config = Config(**sections)
     for name in _SECTIONS:
         getattr(config, name).validate()
+    if config.mqtt.shared_group and config.actuator.enabled:
+        # A shared subscription splits messages, not jobs: one migration's acks and
+        # statuses would land on different heads, and none could drive it.
+        raise ConfigError(
+            "mqtt.shared_group",
+            "splits one job's acks and statuses across head nodes, so no head could "
+            "drive a migration: set actuator.enabled = false on heads that share a group",
+        )
     return config
 
 

@@ -170,8 +170,12 @@ async def test_wrong_password_keeps_retrying_unready_and_unhealthy(
 async def test_shared_subscription_splits_jobs_between_v5_and_v311_daemons(
     broker: Mosquitto, publisher: Publisher, start_daemon: DaemonFactory
 ) -> None:
-    a = await start_daemon(broker, mqtt={"protocol": "5", "shared_group": "heads"})
-    b = await start_daemon(broker, mqtt={"protocol": "3.1.1", "shared_group": "heads"})
+    # Watching heads: a shared group splits messages, so none of them may actuate.
+    off = {"enabled": False}
+    a = await start_daemon(broker, mqtt={"protocol": "5", "shared_group": "heads"}, actuator=off)
+    b = await start_daemon(
+        broker, mqtt={"protocol": "3.1.1", "shared_group": "heads"}, actuator=off
+    )
     for rank in range(40):
         publisher.send(
             wire.iter_topic("shared", rank), wire.encode(iter_batch("shared", rank, range(1, 2)))

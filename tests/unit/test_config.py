@@ -51,6 +51,8 @@ def test_file_and_environment_overrides(tmp_path: Path) -> None:
         ({"mqtt": {"keepalive_s": float("nan")}}, "mqtt.keepalive_s"),
         ({"mqtt": {"ca_file": "/nonexistent/ca.pem", "tls": True}}, "mqtt.ca_file"),
         ({"mqtt": {"shared_group": "a/b"}}, "mqtt.shared_group"),
+        # Several heads sharing a group may watch, not act: acks would be split.
+        ({"mqtt": {"shared_group": "heads"}}, "mqtt.shared_group"),
         ({"mqtt": {"reconnect_min_s": 5.0, "reconnect_max_s": 1.0}}, "mqtt.reconnect_max_s"),
         ({"ingest": {"window_steps": 2}}, "ingest.window_steps"),
         ({"api": {"token": "a", "token_file": "/etc/hostname"}}, "api.token_file"),
