@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,8 +33,8 @@ import torch
 
 from tmd import wire
 from tmd.errors import MigrationError
-from tmd.runtime.control import register_standby
-from tmd.runtime.failover import plan_key, take_over
+from tmd.runtime.control import STATUS_KEY, register_standby
+from tmd.runtime.failover import failure_reported, plan_key, take_over
 from tmd.runtime.group import GroupBuilder
 from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Membership, Reconfiguration
@@ -80,18 +81,32 @@ def stand_by(session: Session) -> Reconfiguration | None:
         time.sleep(poll)
 
 
-def _wait_built(session: Session, builder: GroupBuilder, migration_id: str) -> bool:
-    """Wait for a group build, watching for an abort of this migration."""
+def _wait_built(
+    session: Session, builder: GroupBuilder, migration_id: str, failed: Callable[[], bool]
+) -> bool:
+    """Wait for a group build, watching for an abort of this migration, and for a
+    failure in the job (``failed``): a member died, so this migration is off and the
+    survivors need this machine ready for their failover, within ``standby_wait``."""
     poll = session.config.control_poll
     while not builder.wait(poll):
         for message in session.control.poll():
             if isinstance(message, wire.Abort) and message.migration_id == migration_id:
                 builder.abandon()
                 return False
-        if session.control.stopped():
+        if session.control.stopped() or failed():
             builder.abandon()
             return False
     return True
+
+
+def _job_failure(session: Session) -> Callable[[], bool]:
+    """Whether a member of the job's generation (as its status in the store says now)
+    reported a failed collective since."""
+    store = session.store
+    if not store.check([STATUS_KEY]):
+        return lambda: False
+    status = wire.decode(bytes(store.get(STATUS_KEY)), wire.JobStatus)
+    return lambda: failure_reported(store, status.generation)
 
 
 def join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
@@ -149,9 +164,10 @@ def _prepare(session: Session, mid: str) -> _Prepared | None:
     """Phase 1: the channel to the leaver, which says the rank and members to join
     as, and the next group built with the stayers. None: aborted."""
     cfg, env = session.config, session.env
+    failed = _job_failure(session)
     pair = GroupBuilder(env.store, xfer_prefix(mid, env.local_rank), rank=1, size=2,
                         timeout=cfg.group_timeout, backend="gloo", host=env.host)  # fmt: skip
-    if not _wait_built(session, pair, mid):
+    if not _wait_built(session, pair, mid, failed):
         return None
     channel = TransferChannel(pair.result(), is_leaver=False)
     header, hello = channel.recv()
@@ -164,7 +180,7 @@ def _prepare(session: Session, mid: str) -> _Prepared | None:
     rank = int(hello["rank"])
     world = GroupBuilder(env.store, world_prefix(mid), rank=rank, size=len(membership.nodes),
                          timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip
-    if not _wait_built(session, world, mid):
+    if not _wait_built(session, world, mid, failed):
         return None
     world.result()  # raises if the build failed
     return _Prepared(channel, membership, rank, world)

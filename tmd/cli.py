@@ -59,6 +59,12 @@ def _bench_downtime(argv: list[str]) -> int:
     return int(downtime.main(argv))
 
 
+def _bench_faults(argv: list[str]) -> int:
+    from tmd.tools.bench import faults
+
+    return faults.main(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from tmd.runtime import launch
 
@@ -75,6 +81,7 @@ _OWN_PARSERS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
     ("bench", "ingest"): _bench_ingest,
     ("bench", "detect"): _bench_detect,
     ("bench", "downtime"): _bench_downtime,
+    ("bench", "faults"): _bench_faults,
     ("launch",): _launch,
     ("store",): _store,
 }
@@ -93,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_requests(sub)
     _add_demo(sub)
     sub.add_parser("version", help="print the version")
-    sub.add_parser("bench", help="benchmarks: `tmd bench ingest|downtime --help`")
+    sub.add_parser("bench", help="benchmarks: `tmd bench ingest|detect|downtime|faults --help`")
     sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
     sub.add_parser("store", help="serve a job's TCPStore for torchrun/srun: `tmd store --help`")
     return p

@@ -161,3 +161,38 @@ def test_a_restart_checkpoints_and_starts_again_without_the_machine(
     ]  # fmt: skip
     assert set(last.codes.values()) == {0}, last.codes
     assert_same_as(tmp_path, reference, NPROC, losses_from=STEPS)
+
+
+def test_a_leaver_dying_while_its_machine_is_being_joined_is_failed_over_to_the_joiner(
+    tmp_path: Path, reference: Path, jobs: list[object]
+) -> None:
+    """The machine being replaced dies while the standby machine is joining it (its
+    slots wait on groups the dead machine will never complete): the joiner leaves the
+    migration at once and takes the dead machine's ranks in the survivors' failover,
+    within their wait for a ready standby; no restart, no rollback."""
+    from tmd.runtime.control import standbys
+
+    job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
+                  extra=["--no-noise", "--detect-timeout", "5"], held=True)  # fmt: skip
+    jobs.append(job)
+    ctl = JobController(job.store, job="job")
+    ctl.wait_standbys("standby0", timeout=ACK_TIMEOUT)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    deadline = time.monotonic() + ACK_TIMEOUT.total_seconds()
+    while not any(s.state == "joining" for s in standbys(job.store)):
+        assert time.monotonic() < deadline, "the standby machine never started joining"
+        time.sleep(0.005)
+    job.kill("worker1")  # both of its processes
+    release(tmp_path)
+    job.wait(JOB_TIMEOUT)
+
+    status = ctl.status()
+    assert status is not None and status.state == "stopped", status
+    assert [(m.node, m.local_rank) for m in status.members] == [
+        ("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)
+    ]  # fmt: skip
+    assert len(job.attempts) == 1  # replaced from replicas, not restarted
+    joiner = {a.kind for a in job.attempts[-1].acks if a.migration_id == "m1"
+              and a.node == "standby0"}  # fmt: skip
+    assert joiner <= {"aborted", "failed"}, joiner
+    assert_same_as(tmp_path, reference, NPROC, losses_from=STEPS)

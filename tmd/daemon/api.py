@@ -67,7 +67,9 @@ class Api:
         self._log = log.get("api")
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
-        self.app = web.Application(middlewares=[self._auth], client_max_size=1 << 20)
+        self.app = web.Application(
+            middlewares=[self._errors_as_json, self._auth], client_max_size=1 << 20
+        )
         self.app.router.add_get("/metrics", self._get_metrics)
         self.app.router.add_get("/healthz", self._get_healthz)
         self.app.router.add_get("/api/v1/status", self._get_status)
@@ -90,6 +92,19 @@ class Api:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _errors_as_json(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """aiohttp's own refusals (no such path, wrong method, body too large) in the
+        same JSON shape as ours: every 4xx says why as ``{"error": ...}``."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return web.json_response(
+                {"error": exc.reason}, status=exc.status, headers=_kept(exc.headers)
+            )
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -167,3 +182,8 @@ class Api:
             return _json({"error": f"no job {name!r}"}, 404)
         self._log.info("job forgotten", job=name)
         return _json({"forgotten": name})
+
+
+def _kept(headers: Any) -> dict[str, str]:
+    """The headers of a refusal worth keeping (``Allow`` on a 405)."""
+    return {k: v for k, v in headers.items() if k in ("Allow", "WWW-Authenticate")}

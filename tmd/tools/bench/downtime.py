@@ -106,6 +106,19 @@ def _gpt(d: int, layers: int, heads: int, ctx: int) -> Any:
     return GPT()
 
 
+def _digest(model: Any) -> str:
+    """sha256 of every parameter and buffer's bytes, in state-dict order."""
+    import ctypes
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+    return h.hexdigest()
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -132,6 +145,10 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--slow-s", type=float, default=0.0, help="seconds added to each step")
     parser.add_argument("--slow-from", type=int, default=0, help="from this step on")
     parser.add_argument("--stop-key", default="", help="store key holding the last step")
+    # `tmd bench faults`: paced steps (sleeping changes no number) and a digest of the
+    # final parameters to compare runs by.
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds slept after each step")
+    parser.add_argument("--hash-params", action="store_true", help="record a parameter digest")
     return parser.parse_args(argv)
 
 
@@ -205,6 +222,8 @@ def worker(argv: list[str]) -> int:
                 and (s.state.step >= int(s.store.get(args.stop_key)))
             ):
                 break
+            if args.sleep:
+                time.sleep(args.sleep)
             if args.mode == "save" and s.state.step == args.at_step:
                 t0 = time.time()
                 save_checkpoint(s, args.out.parent / "checkpoint")
@@ -212,6 +231,9 @@ def worker(argv: list[str]) -> int:
                 break
         record["left"] = s.left
         record["warmup_s"] = s.warmup_s
+        if args.hash_params and s.role == "worker" and not s.left:
+            record["params_sha256"] = _digest(model)
+            record["final_rank"], record["final_step"] = s.rank, s.state.step
         if s.last_downtime is not None:
             record["downtime"] = msgspec.structs.asdict(s.last_downtime)
     record["t_exit"] = time.time()
