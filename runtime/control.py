@@ -131,21 +131,28 @@ def put_status(
     """Store ``status``, with the standby registry, unless a newer one is there: every
     member publishes at times (a prepare, an abort, a failover), each from its own
     thread, so a late write must not undo a later status — a job that stopped must
-    not read as running. Newer is a higher (generation, step, time). Returns the
-    payload stored, or None when a newer status was kept. ``registry``: the standby
-    registry, if the caller has just read it."""
+    not read as running. Newer is a higher (generation, step), then an ending
+    (``stopped``, ``restarting``) over any other state at the same step, then a later
+    time (members' clocks may differ, so time decides last). Returns the payload
+    stored, or None when a newer status was kept. ``registry``: the standby registry,
+    if the caller has just read it."""
     if registry is None:
         registry = standbys(store)
     payload = wire.encode(with_standbys(registry, status))
-    mine = (status.generation, status.step, status.ts)
+    mine = _order(status)
     while True:
         old = bytes(store.get(STATUS_KEY)) if store.check([STATUS_KEY]) else b""
         if old:
             held = msgspec.json.decode(old, type=wire.JobStatus)
-            if (held.generation, held.step, held.ts) > mine:
+            if _order(held) > mine:
                 return None
         if bytes(store.compare_set(STATUS_KEY, old.decode(), payload.decode())) == payload:
             return payload
+
+
+def _order(status: wire.JobStatus) -> tuple[int, int, bool, float]:
+    return (status.generation, status.step, status.state in ("stopped", "restarting"),
+            status.ts)  # fmt: skip
 
 
 class _Poller:

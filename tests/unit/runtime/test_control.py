@@ -144,6 +144,12 @@ def test_a_late_status_does_not_undo_a_newer_one(store) -> None:  # type: ignore
     assert stored().state == "stopped"
     assert put_status(store, status(1, 0, 0.5, "running")) is not None  # a new generation
     assert stored().generation == 1
+    # At one step, the member that stopped last has a clock 30 s behind another's
+    # "running" of that step: the job still reads as stopped.
+    assert put_status(store, status(1, 40, 100.0, "running")) is not None
+    assert put_status(store, status(1, 40, 70.0, "stopped")) is not None
+    assert put_status(store, status(1, 40, 101.0, "running")) is None
+    assert stored().state == "stopped"
 
 
 def test_the_agent_and_the_runtime_name_a_machine_alike() -> None:
