@@ -50,8 +50,8 @@ class RankStalledDetector(Detector):
         if since is None:
             return  # the daemon's view is stale or settling: silence proves nothing
         jobs = self.context.view.jobs
-        for key in [k for k in self._reported if k[0] not in jobs]:
-            del self._reported[key]
+        for key in [k for k in self._reported if k[0] not in jobs or k[1] not in jobs[k[0]].ranks]:
+            del self._reported[key]  # the view forgot the job, or the rank left it
         for name, job in jobs.items():
             yield from self._check(name, job, now, since)
 

@@ -13,11 +13,22 @@ by a job without a checkpoint directory; otherwise the first member to read it
 stores it in the job's store and votes for it, and at the boundary where the vote
 is counted every member reads the same command there and ends its run
 (``Session._restart``).
+
+A long job sees migration ids without end, so a member remembers the newest
+``MAX_REMEMBERED`` of them (the ids it acted on and the answers it gave, in the order
+it first met them). A command for an id that fell out is taken for a new one. That is
+safe because such a command never comes from the controller: it sends a command only
+while its migration is in flight, and the one controller of a job (heads split work by
+job) runs at most ``guardrails.max_concurrent_per_job`` of them at a time and starts at
+most ``guardrails.max_per_hour`` an hour, restarts one at a time: a thousand newer ids
+of the same job cannot come while one is still in flight. An old command that sat in a
+queue or is replayed is refused by its age before it gets here
+(``MqttControl``'s ``max_age``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
@@ -27,6 +38,8 @@ from tmd.runtime.control import standbys
 from tmd.runtime.migration import VOTE_ABORT, VOTE_READY, Migration
 
 RESTART_KEY = "tmd/restart"
+MAX_REMEMBERED = 1024
+"""Migration ids a member remembers, the newest (see the module's docstring)."""
 
 if TYPE_CHECKING:
     from tmd.runtime.session import Session
@@ -41,9 +54,10 @@ class Commands:
         self._session = session
         self.current: Migration | None = None
         self.left = False  # the leaver of a migration that switched: out of the job
-        self.seen: set[str] = set()
+        # By migration id, oldest first, each at most MAX_REMEMBERED long.
+        self.seen: dict[str, None] = {}  # the ids of the commands acted on
         self.outcomes: dict[str, AckKind] = {}
-        self.downtimes: dict[str, wire.Downtime] = {}  # by migration id, as acked
+        self.downtimes: dict[str, wire.Downtime] = {}  # as acked
         self.restart_asked = False  # this member holds a Restart: it votes for it
 
     # -- at the step boundary ----------------------------------------------------------
@@ -88,7 +102,7 @@ class Commands:
             self._abort(mig)
             return
         self.current = None
-        self.outcomes[mig.id] = "switched"  # acked with the downtime after the next step
+        _remember(self.outcomes, mig.id, "switched")  # acked with the downtime after a step
         s.reconfigure(joined)
         s.publish_status()
 
@@ -198,7 +212,7 @@ class Commands:
         """True the first time a command for ``migration_id`` reaches this member."""
         if migration_id in self.seen:
             return False
-        self.seen.add(migration_id)
+        _remember(self.seen, migration_id, None)
         return True
 
     def settle(
@@ -206,14 +220,14 @@ class Commands:
         downtime: wire.Downtime | None = None,
     ) -> None:  # fmt: skip
         """Record how a migration ended for this member, and ack it."""
-        self.outcomes[migration_id] = kind
+        _remember(self.outcomes, migration_id, kind)
         if downtime is not None:
-            self.downtimes[migration_id] = downtime
+            _remember(self.downtimes, migration_id, downtime)
         self._session.ack(migration_id, kind, detail=detail, downtime=downtime)
 
     def measured(self, migration_id: str, downtime: wire.Downtime) -> None:
         """The first step after a switch has ended: ack the switch with its downtime."""
-        self.downtimes[migration_id] = downtime
+        _remember(self.downtimes, migration_id, downtime)
         self._session.ack(migration_id, "switched", downtime=downtime)
 
     def _answer_repeat(self, migration_id: str) -> None:
@@ -223,3 +237,14 @@ class Commands:
         outcome = self.outcomes[migration_id]
         self._session.ack(migration_id, outcome, detail=f"already {outcome}",
                           downtime=self.downtimes.get(migration_id))  # fmt: skip
+
+
+V = TypeVar("V")
+
+
+def _remember(seen: dict[str, V], migration_id: str, value: V) -> None:
+    """Set ``seen[migration_id]``, newest last; past ``MAX_REMEMBERED`` the oldest go."""
+    seen.pop(migration_id, None)
+    seen[migration_id] = value
+    while len(seen) > MAX_REMEMBERED:
+        del seen[next(iter(seen))]

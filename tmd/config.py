@@ -134,7 +134,9 @@ class IngestConfig:
     window_steps: int = 128  # per-rank ring of recent steps the detectors read
     # About 5 KB a rank at the default window: the caps bound the view's memory.
     max_ranks_per_job: int = 1 << 17  # bound for ranks of jobs whose status is not yet known
-    max_ranks: int = 1 << 17  # over all jobs
+    # Over all jobs: each holds its reporting ranks or its status's members, whichever
+    # are more, plus the standby and excluded machines its status lists.
+    max_ranks: int = 1 << 17
     max_jobs: int = 1024
     max_nodes: int = 65536
     forget_after_s: float = 3600.0  # drop nodes and jobs silent this long

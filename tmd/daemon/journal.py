@@ -20,6 +20,10 @@ groups writes that only make sense together (a migration's ``planned`` and
 ``preparing``): they are kept or dropped together, and each write inside it is a
 savepoint of it.
 
+The file stays bounded: ``prune`` (the daemon's housekeeping) deletes what is older
+than the retention: events, migrations that ended, and the memberships of jobs the
+daemon no longer knows.
+
 ``sqlite3`` stays inside: its errors come out as ``JournalError``, and setting the
 state of a migration that already ended as ``AlreadyFinished``, so callers handle
 errors of ours, not the driver's.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +76,17 @@ CREATE TABLE IF NOT EXISTS memberships (
     step INTEGER NOT NULL,
     ts REAL NOT NULL,
     members TEXT NOT NULL,
-    run INTEGER NOT NULL DEFAULT 0
+    run INTEGER NOT NULL DEFAULT 0,
+    saved_ts REAL NOT NULL DEFAULT 0
 );
 """
 _SCHEMA_VERSION: Final = 1
-_ADDED_COLUMNS: Final = (("memberships", "run", "INTEGER NOT NULL DEFAULT 0"),)
+_ADDED_COLUMNS: Final = (
+    ("memberships", "run", "INTEGER NOT NULL DEFAULT 0"),
+    # When (daemon time) the row was written; 0: by a tmd from before the column, whose
+    # rows are judged by their status's own time instead.
+    ("memberships", "saved_ts", "REAL NOT NULL DEFAULT 0"),
+)
 """Columns added since a table was first created, each with a default, so a row written
 before reads as that default. Additive changes keep the schema version (as the wire
 keeps ``v = 1``): an older tmd names the columns it reads and writes, and goes on
@@ -117,6 +127,13 @@ class Membership:
     ts: float  # the status's own time
     members: dict[int, str]  # rank -> node
     run: int = 0  # the launcher's restart count (0: a row or a runtime from before runs)
+
+
+_MEMBERSHIP: Final = "SELECT job, generation, step, ts, members, run FROM memberships"
+
+
+def _membership(r: Any) -> Membership:
+    return Membership(r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])}, r[5])
 
 
 class Journal:
@@ -257,9 +274,26 @@ class Journal:
             for r in self._query(sql, args)
         ]
 
-    def prune(self, before_ts: float) -> int:
+    def prune(self, before_ts: float, *, keep_jobs: Collection[str] = ()) -> int:
+        """Delete what is older than ``before_ts``: events, migrations that ended, and
+        the memberships saved before then of jobs not in ``keep_jobs`` (the jobs the
+        daemon knows now); returns how many events went. A membership is read when its
+        job's next status comes (``Memberships``): a job the view forgot whose row went
+        is taken, if it comes back, for a job seen the first time."""
+        marks = ",".join("?" * len(TERMINAL_STATES))
         with self._tx() as db:
-            return db.execute("DELETE FROM events WHERE ts < ?", (before_ts,)).rowcount
+            events = db.execute("DELETE FROM events WHERE ts < ?", (before_ts,)).rowcount
+            db.execute(
+                f"DELETE FROM migrations WHERE state IN ({marks}) AND updated_ts < ?",
+                (*sorted(TERMINAL_STATES), before_ts),
+            )
+            db.execute(
+                "DELETE FROM memberships"
+                " WHERE (CASE WHEN saved_ts > 0 THEN saved_ts ELSE ts END) < ?"
+                " AND job NOT IN (SELECT value FROM json_each(?))",
+                (before_ts, json.dumps(sorted(keep_jobs))),
+            )
+            return events
 
     # -- migrations --------------------------------------------------------------------
 
@@ -327,24 +361,27 @@ class Journal:
 
     # -- memberships -------------------------------------------------------------------
 
-    def save_membership(self, job: str, membership: Membership) -> None:
-        """The last membership the actuator saw of ``job``: after a restart it tells
-        what changed while the daemon was down."""
+    def save_membership(self, job: str, membership: Membership, *, now: float = 0.0) -> None:
+        """The last membership the actuator saw of ``job``, saved at ``now`` (daemon
+        time; ``prune`` goes by it): after a restart it tells what changed while the
+        daemon was down."""
         m = membership
+        members = json.dumps(sorted(m.members.items()))
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO memberships (job, generation, step, ts, members, run)"
-                " VALUES (?,?,?,?,?,?)",
-                (job, m.generation, m.step, m.ts, json.dumps(sorted(m.members.items())), m.run),
+                "INSERT OR REPLACE INTO memberships"
+                " (job, generation, step, ts, members, run, saved_ts) VALUES (?,?,?,?,?,?,?)",
+                (job, m.generation, m.step, m.ts, members, m.run, now),
             )
+
+    def membership(self, job: str) -> Membership | None:
+        """The last membership saved of ``job``, if any."""
+        rows = self._query(_MEMBERSHIP + " WHERE job = ?", (job,))
+        return _membership(rows[0]) if rows else None
 
     def memberships(self) -> dict[str, Membership]:
         """The last membership saved of each job."""
-        rows = self._query("SELECT job, generation, step, ts, members, run FROM memberships")
-        return {
-            r[0]: Membership(r[1], r[2], r[3], {int(k): v for k, v in json.loads(r[4])}, r[5])
-            for r in rows
-        }
+        return {r[0]: _membership(r) for r in self._query(_MEMBERSHIP)}
 
     def recent_migrations(self, since_ts: float) -> list[MigrationRow]:
         """Migrations created at or after ``since_ts``, oldest first (rate limits and

@@ -2,7 +2,11 @@
 
 Memory is bounded: each rank keeps a fixed ring of its last ``window`` steps, each
 node its latest GPU sample and a short XID history, and the counts of jobs and nodes
-are capped. Each message costs O(its own size), independent of how many ranks exist.
+are capped. So is what jobs hold against ``max_ranks``: each job its reporting ranks
+or the members its status lists, whichever are more, plus the standby and excluded
+machines its status lists (``JobView.held``); a message that would take more is
+refused (``limit``) before it changes anything. Each message costs O(its own size),
+independent of how many ranks exist.
 Step reports may arrive twice, late or out of order: a step lands in the ring slot
 ``step % window``, a slot already holding that step is a duplicate, and a step older
 than the ring is too late to matter and is dropped.
@@ -131,9 +135,8 @@ class JobView:
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_seen: float = 0.0
     status_ts: float = 0.0
-    status_seen: float = 0.0
-    """When (daemon time) the last status published live arrived: the agent (re)started
-    or reconnected then. A retained copy replayed on subscribing does not count."""
+    held: int = 0
+    """What the job counts against ``ingest.max_ranks`` (``ClusterView.held_ranks``)."""
 
     def machines(self) -> dict[str, list[int]]:
         """The job's machines, each with its ranks in local-rank order: what acts on a
@@ -192,7 +195,9 @@ class ClusterView:
         self.same_gpu_model = same_gpu_model
         self.jobs: dict[str, JobView] = {}
         self.nodes: dict[str, NodeView] = {}
-        self.total_ranks = 0
+        self.total_ranks = 0  # reporting ranks (RankState), over all jobs
+        # What the jobs hold against ``max_ranks``: the sum of their ``held``.
+        self.held_ranks = 0
         # Whether this view is current (``tmd.daemon.freshness``); a view fed directly
         # is; the daemon installs one its ingest keeps up to date.
         self.freshness = Freshness.always()
@@ -211,13 +216,16 @@ class ClusterView:
         if rank >= bound:
             raise ProtocolError("rank", f"rank {rank} out of range for job {batch.job} (< {bound})")
         state = job.ranks.get(rank) if job is not None else None
-        if state is None and self.total_ranks >= self.max_ranks:
-            raise ProtocolError("limit", f"more than {self.max_ranks} ranks (ingest.max_ranks)")
+        # A new rank costs nothing where the job's status already listed as many members.
+        grows = state is None and (job is None or len(job.ranks) >= len(job.members))
+        if grows and self.held_ranks >= self.max_ranks:
+            raise _too_many_ranks(self.max_ranks)
         if job is None:
             job = self._job(batch.job, now)
         if state is None:
             state = job.ranks[rank] = RankState(rank, batch.node, self.window_steps)
             self.total_ranks += 1
+            self._hold(job, _held(len(job.ranks), job))
         elif batch.generation > state.generation and batch.steps[0].step <= state.last_step:
             state.reset()  # a new generation restarted from an earlier step: a rollback
         # An older generation's steps past what the newer one reached belong to a
@@ -245,6 +253,15 @@ class ClusterView:
     def apply_job_status(self, status: wire.JobStatus, now: float) -> None:
         # Applied in arrival order: the broker's order per topic is the truth (a Last
         # Will composed at connect time carries an older ts than what it replaces).
+        members = {m.rank: m.node for m in status.members}
+        standbys = {s.node: s for s in status.standbys}
+        excluded = frozenset(status.excluded)
+        # Checked before anything changes: a refused status leaves the job as it was.
+        known = self.jobs.get(status.job) or JobView(status.job)
+        gone = [r for r in known.ranks if r >= status.world_size]
+        held = max(len(known.ranks) - len(gone), len(members)) + len(standbys) + len(excluded)
+        if self.held_ranks - known.held + held > self.max_ranks:
+            raise _too_many_ranks(self.max_ranks)
         job = self._job(status.job, now)
         job.status_ts = status.ts
         job.world_size = status.world_size
@@ -252,13 +269,14 @@ class ClusterView:
         job.state = status.state
         job.step = status.step
         job.run = status.run
-        job.excluded = frozenset(status.excluded)
-        job.members = {m.rank: m.node for m in status.members}
+        job.excluded = excluded
+        job.members = members
         job.local_ranks = {m.rank: m.local_rank for m in status.members}
-        job.standbys = {s.node: s for s in status.standbys}
-        for rank in [r for r in job.ranks if r >= status.world_size]:
+        job.standbys = standbys
+        for rank in gone:
             del job.ranks[rank]
             self.total_ranks -= 1
+        self._hold(job, held)
 
     def apply_node_status(self, status: wire.NodeStatus, now: float, *, live: bool = True) -> None:
         """``live``: published now, not a retained copy replayed by the broker."""
@@ -288,6 +306,10 @@ class ClusterView:
             job = self.jobs[name] = JobView(name)
         job.last_seen = now
         return job
+
+    def _hold(self, job: JobView, held: int) -> None:
+        self.held_ranks += held - job.held
+        job.held = held
 
     def _node(self, name: str, now: float) -> NodeView:
         node = self.nodes.get(name)
@@ -373,18 +395,22 @@ class ClusterView:
         job = self.jobs.pop(name, None)
         if job is None:
             return False
-        self.total_ranks -= len(job.ranks)
+        self._forgotten(job)
         return True
 
     def forget_silent(self, now: float, after_s: float) -> tuple[int, int]:
         """Drop jobs and nodes silent for ``after_s``; returns how many of each."""
         old_jobs = [j for j, v in self.jobs.items() if now - v.last_seen > after_s]
         for name in old_jobs:
-            self.total_ranks -= len(self.jobs.pop(name).ranks)
+            self._forgotten(self.jobs.pop(name))
         old_nodes = [n for n, v in self.nodes.items() if now - v.last_seen > after_s]
         for name in old_nodes:
             del self.nodes[name]
         return len(old_jobs), len(old_nodes)
+
+    def _forgotten(self, job: JobView) -> None:
+        self.total_ranks -= len(job.ranks)
+        self.held_ranks -= job.held
 
     def total_steps(self) -> int:
         return sum(r.total_steps for j in self.jobs.values() for r in j.ranks.values())
@@ -399,6 +425,17 @@ class ClusterView:
             "nodes": [_node_json(n, now) for _, n in sorted(self.nodes.items())],
             "totals": {"jobs": len(self.jobs), "nodes": len(self.nodes), "ranks": self.total_ranks},
         }
+
+
+def _held(ranks: int, job: JobView) -> int:
+    """What a job of ``ranks`` reporting ranks holds against ``ingest.max_ranks``."""
+    return max(ranks, len(job.members)) + len(job.standbys) + len(job.excluded)
+
+
+def _too_many_ranks(bound: int) -> ProtocolError:
+    return ProtocolError(
+        "limit", f"more than {bound} ranks, members and standbys (ingest.max_ranks)"
+    )
 
 
 def _note(seen: dict[str, float], node: str, ts: float, bound: int) -> None:

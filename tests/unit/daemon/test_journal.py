@@ -187,3 +187,30 @@ def test_writes_in_atomic_are_kept_or_dropped_together(tmp_path: Path) -> None:
         j.set_migration_state("m1", "preparing", ts=TS + 1)
     assert [(m.id, m.state) for m in j.recent_migrations(0)] == [("m1", "preparing")]
     assert len(j.events()) == 2
+
+
+def test_prune_forgets_the_memberships_of_jobs_gone_and_the_migrations_ended(
+    tmp_path: Path,
+) -> None:
+    j = Journal(tmp_path / "j.sqlite3")
+    for i in range(5000):  # a churn of job names, each seen once
+        j.save_membership(f"gone{i}", Membership(0, 1, TS, {0: f"n{i}"}), now=TS + i * 0.01)
+    j.save_membership("live", Membership(3, 9, TS, {0: "n0"}), now=TS)
+    j.save_membership("recent", Membership(0, 1, TS, {0: "n1"}), now=TS + 100)
+    j._db.execute(  # a row of a tmd from before saved_ts: judged by its status's time
+        "INSERT INTO memberships (job, generation, step, ts, members) VALUES"
+        " ('old', 0, 0, ?, '[]'), ('old-but-recent', 0, 0, ?, '[]')",
+        (TS, TS + 100),
+    )
+    for i, state in enumerate(["done", "aborted", "failed", "switching"]):
+        j.begin_migration(id=f"m{i}", job="live", leaver="n0", joiner="s0", reason="", ts=TS)
+        j.set_migration_state(f"m{i}", state, ts=TS + 1)
+    j.begin_migration(id="m9", job="live", leaver="n0", joiner="s0", reason="", ts=TS + 100)
+    j.set_migration_state("m9", "done", ts=TS + 100)
+
+    j.prune(TS + 99, keep_jobs={"live", "nowhere"})
+    assert set(j.memberships()) == {"live", "recent", "old-but-recent"}
+    assert j.membership("live") == Membership(3, 9, TS, {0: "n0"})
+    assert j.membership("gone0") is None
+    assert {m.id for m in j.recent_migrations(0)} == {"m3", "m9"}  # in flight, or recent
+    assert [m.id for m in j.in_flight()] == ["m3"]

@@ -151,6 +151,72 @@ def test_cap_on_ranks_over_all_jobs() -> None:
     assert err.value.reason == "limit"
 
 
+def job_status(job: str, members: int, *, standbys: int = 0, excluded: int = 0) -> wire.JobStatus:
+    return wire.JobStatus(
+        ts=TS, job=job, generation=0, world_size=max(1, members),
+        members=[wire.Member(r, f"{job}-m{r}") for r in range(members)],
+        standbys=[wire.StandbyInfo(node=f"{job}-s{i}", state="ready") for i in range(standbys)],
+        excluded=[f"{job}-x{i}" for i in range(excluded)],
+    )  # fmt: skip
+
+
+def test_the_members_a_status_lists_count_against_the_rank_cap() -> None:
+    view = ClusterView(max_ranks=10)
+    view.apply_job_status(job_status("a", 6), TS)
+    with pytest.raises(ProtocolError) as err:
+        view.apply_job_status(job_status("b", 5), TS)  # 6 + 5 > 10
+    assert err.value.reason == "limit" and "b" not in view.jobs
+    with pytest.raises(ProtocolError):  # standbys and excluded machines count too
+        view.apply_job_status(job_status("b", 2, standbys=1, excluded=2), TS)
+    view.apply_job_status(job_status("b", 2, standbys=1, excluded=1), TS)  # exactly 10
+    # A member that reports costs nothing more; a rank beyond the members does.
+    view.apply_iter(batch(1, [1], job="a"), TS)
+    assert view.held_ranks == 10 and view.total_ranks == 1
+    with pytest.raises(ProtocolError) as err:
+        view.apply_iter(batch(0, [1], job="c"), TS)
+    assert err.value.reason == "limit" and "c" not in view.jobs
+    # A refused status leaves its job as it was; one that shrinks it frees its ranks.
+    with pytest.raises(ProtocolError):
+        view.apply_job_status(job_status("a", 7), TS)
+    assert len(view.jobs["a"].members) == 6
+    view.apply_job_status(job_status("a", 2), TS)
+    assert view.held_ranks == 6
+    view.apply_job_status(job_status("c", 4), TS)
+    assert view.forget_job("a") and view.held_ranks == 8  # b and c
+    assert view.forget_silent(TS + 100, after_s=50) == (2, 0) and view.held_ranks == 0
+
+
+def test_the_view_stays_within_its_caps_whatever_names_come() -> None:
+    view = ClusterView(max_jobs=64, max_nodes=256, max_ranks=1024, max_ranks_per_job=64)
+    refused = 0
+
+    def feed(i: int, now: float) -> None:
+        job, name = f"job{i}", f"node{i}"
+        view.note_fault(name, now, lost=i % 2 == 0)
+        view.apply_node_status(node(name), now)
+        view.apply_job_status(job_status(job, i % 40, standbys=i % 3), now)
+        view.apply_iter(batch(i % 64, [i], job=job), now)
+
+    for i in range(20_000):
+        now = TS + i * 0.01
+        try:
+            feed(i, now)
+        except ProtocolError as exc:
+            assert exc.reason in ("limit", "rank")  # rank: past the job's world size
+            refused += exc.reason == "limit"
+        if i % 100 == 0:
+            view.forget_silent(now, after_s=0.5)
+        assert len(view.jobs) <= 64 and len(view.nodes) <= 256
+        assert view.total_ranks <= view.held_ranks <= 1024
+        held = sum(
+            max(len(j.ranks), len(j.members)) + len(j.standbys) + len(j.excluded)
+            for j in view.jobs.values()
+        )
+        assert view.held_ranks == held
+    assert refused > 5_000  # the caps were reached, again and again
+    assert len(view._faults) <= 256 and len(view._lost) <= 256
+
+
 # -- ready standbys: the one definition policies, actuator and guardrails share ---------
 
 

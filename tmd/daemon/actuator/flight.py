@@ -209,9 +209,14 @@ class PhaseMachine:
     # -- what arrives ------------------------------------------------------------------
 
     def on_ack(self, flight: Flight, ack: wire.Ack, now: float) -> Next:
-        flight.keep(ack)
         if flight.phase == "runtime":  # the donor's answer carries the downtime
-            return Next("done", REPLACED_BY_RUNTIME) if ack.kind == "switched" else STAY
+            # It has no members to check an answer against: only the one that ends it
+            # is kept, so answers from anyone cannot pile up on it.
+            if ack.kind != "switched":
+                return STAY
+            flight.keep(ack)
+            return Next("done", REPLACED_BY_RUNTIME)
+        flight.keep(ack)
         if flight.phase == "restarting":
             # One answer is enough: rank 0 writes the checkpoint, and every process
             # checkpoints and exits on the same command.

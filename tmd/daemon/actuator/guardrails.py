@@ -46,6 +46,14 @@ class GuardState:
         if decision.policy not in UNBUDGETED_POLICIES:
             self.started.append(now)
 
+    def prune(self, now: float, *, cooldown_s: float) -> None:
+        """Forget what no longer holds anything back: cooldowns older than
+        ``cooldown_s`` (``guardrails.node_cooldown_s``) and starts older than an hour.
+        What is in flight is kept: it leaves when its migration or restart ends."""
+        self.last_on_node = {n: t for n, t in self.last_on_node.items() if now - t < cooldown_s}
+        self.last_restart = {k: t for k, t in self.last_restart.items() if now - t < cooldown_s}
+        _drop_before(self.started, now - 3600)
+
     def record_end(self, job: str) -> None:
         left = self.in_flight.get(job, 0) - 1
         if left > 0:
@@ -63,8 +71,7 @@ def check(
     now: float,
 ) -> str | None:
     """Why ``decision`` must not run now, or None if it may."""
-    while state.started and state.started[0] < now - 3600:
-        state.started.popleft()
+    _drop_before(state.started, now - 3600)
     if config.dry_run:
         return DRY_RUN
     restart = state.restarting.get(decision.job)
@@ -120,3 +127,8 @@ def check_restart(
             f"(guardrails.node_cooldown_s = {config.node_cooldown_s:g})"
         )
     return None
+
+
+def _drop_before(started: deque[float], horizon: float) -> None:
+    while started and started[0] < horizon:
+        started.popleft()

@@ -15,12 +15,16 @@ and ends ``done`` (the job answered or restarted), ``aborted`` (it stopped, or t
 machine left it) or ``failed`` (no answer); the ledger remembers, until the job's next
 run, which machines a job was asked to restart without, answered or not: a restart
 whose answer was lost must not be asked for a second time.
+
+What the ledger remembers of jobs and machines is bounded: who replaced whom at most
+``MAX_REPLACED`` machines, the oldest forgotten first, and both maps only for the jobs
+the view still holds (``keep_only``, from the daemon's housekeeping).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Container
+from typing import Any, TypeVar
 
 from tmd import wire
 from tmd.daemon import events
@@ -32,6 +36,22 @@ from tmd.errors import AlreadyFinished
 
 SOURCE = "actuator"
 Emit = Callable[[events.Event, str], None]
+
+MAX_REPLACED = 4096
+"""Machines remembered as replaced (``Ledger.replaced``): what standby choice names as
+``already replaced`` and membership tracking does not take for a runtime failover.
+Both matter for the migrations of the last minutes, not of a long job's history."""
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def remember(seen: dict[K, V], key: K, value: V, *, cap: int) -> None:
+    """Set ``seen[key]``, newest last, keeping at most ``cap`` keys: the oldest go."""
+    seen.pop(key, None)
+    seen[key] = value
+    while len(seen) > cap:
+        del seen[next(iter(seen))]
 
 
 class Ledger:
@@ -56,6 +76,17 @@ class Ledger:
         # (job, node) -> the restart that asked the job to go on without node, until the
         # job's next run
         self.restarts_asked: dict[tuple[str, str], str] = {}
+
+    def replace(self, job: str, leaver: str, joiner: str) -> None:
+        """Remember that ``joiner`` took ``leaver``'s place in ``job``."""
+        remember(self.replaced, (job, leaver), joiner, cap=MAX_REPLACED)
+
+    def keep_only(self, jobs: Container[str]) -> None:
+        """Forget who replaced whom, and which restarts were asked, in jobs not in
+        ``jobs``: the view forgot them, and one that comes back is decided about anew.
+        Flights are kept: each ends on its own deadline."""
+        self.replaced = {k: v for k, v in self.replaced.items() if k[0] in jobs}
+        self.restarts_asked = {k: v for k, v in self.restarts_asked.items() if k[0] in jobs}
 
     def of_job(self, job: str) -> list[Flight]:
         return [f for f in self.flights.values() if f.job == job]
@@ -139,7 +170,7 @@ class Ledger:
             self._restart_finished(flight, outcome, now)
             return
         if outcome == "done":
-            self.replaced[(flight.job, flight.leaver)] = flight.joiner
+            self.replace(flight.job, flight.leaver, flight.joiner)
         if self.metrics is not None:
             self.metrics.migrations.labels(outcome=outcome).inc()
             if downtime is not None:

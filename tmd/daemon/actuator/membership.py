@@ -11,16 +11,20 @@ it; where the run cannot tell, so is a newer one whose generation and step went 
 status that explains them; they wait here to be claimed.
 
 The last membership of each job is kept in the journal, so that a restarted daemon
-sees what changed while it was down.
+sees what changed while it was down. Memory holds a cache of it: the jobs seen since
+the daemon started, at most ``cap`` of them (the view's ``max_jobs``), the least
+recently seen forgotten first, and only while the view holds them (``keep_only``); a
+job not in it is read from the journal when its next status comes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Container, Mapping
 from typing import Literal, NamedTuple
 
 from tmd import wire
 from tmd.daemon.actuator.flight import RUNTIME_ACK_GRACE_S, Flight
+from tmd.daemon.actuator.ledger import remember
 from tmd.daemon.journal import Journal, Membership
 
 MAX_EARLY_ACKS = 1024
@@ -42,16 +46,30 @@ __all__ = [
 class Memberships:
     """The last membership the actuator saw of each job, kept in the journal."""
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, *, cap: int) -> None:
         self._journal = journal
-        self._seen = journal.memberships()
+        self._cap = cap
+        self._seen: dict[str, Membership] = {}  # the journal's rows read or written
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
     def get(self, job: str) -> Membership | None:
-        return self._seen.get(job)
+        seen = self._seen.get(job)
+        if seen is None:
+            # Not seen since the start, or forgotten here: the status is recorded next,
+            # and the job is here again from then on.
+            seen = self._journal.membership(job)
+            if seen is not None:
+                remember(self._seen, job, seen, cap=self._cap)
+        return seen
 
-    def record(self, status: wire.JobStatus, before: Membership | None) -> Membership:
-        """Remember what ``status`` says; journaled when it differs from ``before`` (None:
-        the first of the job, or of a new run of it) in generation, run or members."""
+    def record(
+        self, status: wire.JobStatus, before: Membership | None, *, now: float = 0.0
+    ) -> Membership:
+        """Remember what ``status`` says; journaled (saved at ``now``) when it differs
+        from ``before`` (None: the first of the job, or of a new run of it) in
+        generation, run or members."""
         after = of(status)
         if (
             before is None
@@ -59,9 +77,15 @@ class Memberships:
             or after.run != before.run
             or after.members != before.members
         ):
-            self._journal.save_membership(status.job, after)
-        self._seen[status.job] = after  # after the journal: a failed write changes nothing
+            self._journal.save_membership(status.job, after, now=now)
+        # After the journal: a failed write changes nothing.
+        remember(self._seen, status.job, after, cap=self._cap)
         return after
+
+    def keep_only(self, jobs: Container[str]) -> None:
+        """Forget, in memory, the jobs not in ``jobs``; their rows stay in the journal
+        until it prunes them (``Journal.prune``)."""
+        self._seen = {job: m for job, m in self._seen.items() if job in jobs}
 
 
 def of(status: wire.JobStatus) -> Membership:
@@ -168,21 +192,26 @@ def runtime_failover(
 
 
 class FailoverAcks:
-    """The runtime's answers about failovers it did by itself, before their status."""
+    """The runtime's answers about failovers it did by itself, before their status:
+    at most ``MAX_EARLY_ACKS`` of each kind, the oldest forgotten first, and only
+    while the view holds their job (``keep_only``)."""
 
     def __init__(self) -> None:
         self._early: dict[tuple[str, str], wire.Ack] = {}  # (job, runtime id)
-        self._rollbacks: set[tuple[str, str]] = set()  # (job, runtime id) recorded
+        self._rollbacks: dict[tuple[str, str], None] = {}  # (job, runtime id) recorded
+
+    def __len__(self) -> int:
+        return len(self._early) + len(self._rollbacks)
 
     def hold(self, ack: wire.Ack) -> bool:
         """Keep ``ack`` until its status comes; True for the first ``failed`` of that
         failover: the runtime could not replace the machine and rolls back."""
         key = (ack.job, ack.migration_id)
-        self._early[key] = ack
-        while len(self._early) > MAX_EARLY_ACKS:  # acks nobody will claim
-            del self._early[next(iter(self._early))]
+        remember(self._early, key, ack, cap=MAX_EARLY_ACKS)  # past it: acks nobody claimed
         if ack.kind == "failed" and key not in self._rollbacks:  # one per survivor
-            self._rollbacks.add(key)
+            # Past the cap a rollback may be recorded twice: a decision only journaled,
+            # never asked for (the runtime rolls back by itself).
+            remember(self._rollbacks, key, None, cap=MAX_EARLY_ACKS)
             return True
         return False
 
@@ -195,4 +224,9 @@ class FailoverAcks:
     def forget(self, job: str) -> None:
         """A new run of ``job`` uses the runtime's ids again."""
         self._early = {k: v for k, v in self._early.items() if k[0] != job}
-        self._rollbacks = {k for k in self._rollbacks if k[0] != job}
+        self._rollbacks = {k: v for k, v in self._rollbacks.items() if k[0] != job}
+
+    def keep_only(self, jobs: Container[str]) -> None:
+        """Forget the answers of jobs not in ``jobs``."""
+        self._early = {k: v for k, v in self._early.items() if k[0] in jobs}
+        self._rollbacks = {k: v for k, v in self._rollbacks.items() if k[0] in jobs}

@@ -73,7 +73,7 @@ class Actuator:
             machine=self.machine, journal=journal, emit=emit, metrics=metrics,
             guard_state=self.guard_state, log=self.log,
         )  # fmt: skip
-        self.memberships = membership.Memberships(journal)
+        self.memberships = membership.Memberships(journal, cap=view.max_jobs)
         self.failover_acks = membership.FailoverAcks()
 
     @property
@@ -113,6 +113,16 @@ class Actuator:
                 flight, self.machine.on_tick(flight, now, self.view.jobs.get(flight.job)), now
             )
         return out
+
+    def prune(self, now: float) -> None:
+        """Forget what is kept of jobs the view no longer holds, and cooldowns and rate
+        limits that ran out: what outside publishers name must not pile up. O(what is
+        kept), so the daemon's housekeeping calls it, not every message."""
+        jobs = self.view.jobs
+        self.memberships.keep_only(jobs)
+        self.failover_acks.keep_only(jobs)
+        self.ledger.keep_only(jobs)
+        self.guard_state.prune(now, cooldown_s=self.guard.node_cooldown_s)
 
     def reconcile(self, now: float) -> list[wire.Message]:
         """Resume what the journal holds in flight (once, after a restart)."""
@@ -224,6 +234,10 @@ class Actuator:
                 self._apply(flight, self.machine.on_ack(flight, ack, now), now)
             if runtime:
                 return []
+            if ack.job not in self.view.jobs:
+                # No status of the job, so no failover of it to wait for: an answer for
+                # another head's job, or made up, and not kept.
+                return []
             if ack.migration_id.startswith("failover-") and self.failover_acks.hold(ack):
                 self.emit(
                     events.CheckpointRestart(
@@ -297,7 +311,7 @@ class Actuator:
             for machine in moved:
                 self._record_runtime_failover(status, machine, before.generation, now)
         # Last: until what the status showed is journaled, the next status shows it again.
-        self.memberships.record(status, before)
+        self.memberships.record(status, before, now=now)
         return []
 
     def _job_restarted(self, status: wire.JobStatus, now: float) -> None:
@@ -333,7 +347,7 @@ class Actuator:
             fresh = self.ledger.begin(flight, reason=flight.reason, now=now)
             if fresh:
                 self.journal.set_migration_state(flight.id, "switching", ts=now, detail=detail)
-        self.ledger.replaced[(status.job, leaver)] = joiner
+        self.ledger.replace(status.job, leaver, joiner)
         if not fresh:
             return  # already journaled (a status seen again after a restart)
         self.ledger.start(flight, now)
@@ -353,7 +367,7 @@ class Actuator:
         if action == "switch":
             return [self.ledger.enter(flight, "switching", now, via="prepared")]
         if action == "switched":
-            self.ledger.replaced[(flight.job, flight.leaver)] = flight.joiner
+            self.ledger.replace(flight.job, flight.leaver, flight.joiner)
         elif action in ("done", "aborted", "failed"):
             self.ledger.finish(flight, action, now, detail=detail)
         return []

@@ -43,12 +43,12 @@ async def test_an_unexpected_error_is_counted_and_the_actuator_carries_on(
     record = actuator.memberships.record
     statuses = 0
 
-    def buggy(status: wire.JobStatus, before: object) -> object:
+    def buggy(status: wire.JobStatus, before: object, **kw: float) -> object:
         nonlocal statuses
         statuses += 1
         if statuses == 1:
             raise RuntimeError("a bug")
-        return record(status, before)  # type: ignore[arg-type]
+        return record(status, before, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(actuator.memberships, "record", buggy)
     sent: list[wire.Message] = []
