@@ -115,6 +115,12 @@ class GpuHealthDetector(Detector):
             del self._reported[key]
         for gpu_key in [k for k, g in self._gpus.items() if g.last_seen < horizon]:
             del self._gpus[gpu_key]
+        # Nodes the view let go of (silent past ingest.forget_after_s, or evicted past
+        # ingest.max_nodes) are forgotten here too: publishers choose node names.
+        nodes = self.context.view.nodes
+        self._offline = {n for n in self._offline if n in nodes}
+        for gpu_key in [k for k in self._gpus if k[0] not in nodes]:
+            del self._gpus[gpu_key]
         return ()
 
     # -- XID events ----------------------------------------------------------------

@@ -133,3 +133,17 @@ def test_degraded_rearms_after_being_clear_for_a_while() -> None:
         isinstance(e, events.GpuDegraded)
         for e in det.observe(sample(retired_pages_pending=True), T0 + 211)
     )
+
+
+def test_nodes_the_view_let_go_of_are_forgotten() -> None:
+    """Publishers choose node names: what the detector keeps per node goes with the
+    view's node (evicted past ingest.max_nodes, or silent past forget_after_s)."""
+    d = make()
+    view = d.context.view
+    now = 1_800_000_000.0
+    for node in ("kept", "gone"):
+        view.apply_gpu(sample(node), now)
+        list(d.observe(sample(node), now))
+    view.nodes.pop("gone")
+    list(d.tick(now + 1))
+    assert {k[0] for k in d._gpus} == {"kept"}
