@@ -15,7 +15,6 @@ O(size of the message).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import re
 import secrets
@@ -95,6 +94,7 @@ class Ingest:
         self._client_now: aiomqtt.Client | None = None
         # This daemon's lag probe, on a topic of its own (not shared with other heads).
         self.probe_topic = wire.probe_topic(f"d{secrets.token_hex(6)}")
+        self._probe_nonce = secrets.token_hex(8)
         self.freshness = view.freshness = Freshness(
             interval_s=config.probe_interval_s,
             max_lag_s=config.stale_lag_s,
@@ -190,10 +190,16 @@ class Ingest:
     # -- the daemon's own lag ------------------------------------------------------------
 
     def _probe_back(self, payload: bytes, now: float) -> None:
+        sent_text, _, nonce = payload.decode(errors="replace").partition(" ")
         try:
-            sent = float(payload)
+            sent = float(sent_text)
         except ValueError:
-            return  # not ours (only this daemon writes the topic): nothing to learn
+            return
+        if nonce != self._probe_nonce or not sent <= now:
+            # Not this daemon's probe (on a broker without an ACL anyone can write the
+            # topic; one stamped ahead would hide a stale view), or a clock that went
+            # back: nothing to learn from it.
+            return
         self.freshness.answered(sent, now)
         self._metrics.ingest_lag.set(self.freshness.last_lag_s)
 
@@ -204,8 +210,11 @@ class Ingest:
             now = self._clock.now()
             client = self._client_now
             if client is not None:
-                with contextlib.suppress(aiomqtt.MqttError):
-                    await client.publish(self.probe_topic, repr(now).encode(), qos=0)
+                payload = f"{now!r} {self._probe_nonce}".encode()
+                try:
+                    await client.publish(self.probe_topic, payload, qos=0)
+                except Exception as exc:  # never ends the daemon: the view goes stale
+                    self._log.debug("probe not sent", error=str(exc))
             lag = self.freshness.lag_s(now)
             self._metrics.ingest_lag.set(lag if math.isfinite(lag) else -1.0)
             self._metrics.view_stale.set(0 if self.freshness.state(now) == "current" else 1)

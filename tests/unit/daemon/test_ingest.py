@@ -311,3 +311,18 @@ def test_every_wire_type_mutated_anywhere_is_applied_or_counted_never_raised(
     assert total("tmd_messages_received") == 1
     rejected = total("tmd_messages_rejected")
     assert rejected + len(published) == 1, (rejected, len(published), body)
+
+
+def test_only_this_daemon_s_own_probe_says_its_view_is_current() -> None:
+    """A probe on the daemon's topic counts only with its nonce and a send time not
+    ahead of the daemon's clock: a forged one (any client may write the topic where
+    the broker has no ACL) must not hide a stale view."""
+    ingest, _, _, _ = make_ingest()
+    now = ingest._clock.now()
+    ingest.freshness.connection(True, now)
+    ingest.handle(ingest.probe_topic, f"{now + 3600!r} {ingest._probe_nonce}".encode())
+    ingest.handle(ingest.probe_topic, f"{now!r} forged".encode())
+    ingest.handle(ingest.probe_topic, b"\xff not even text")
+    assert ingest.freshness.stale(now)
+    ingest.handle(ingest.probe_topic, f"{now!r} {ingest._probe_nonce}".encode())
+    assert not ingest.freshness.stale(now) and ingest.freshness.fresh_since == now
