@@ -28,11 +28,13 @@ Faults:
   running job whose machines' agents keep beating; ``partition_decisions`` counts the
   migrations and lost-machine findings it caused.
 
-Not yet covered (issue 12): duplicated, reordered and dropped control messages
-through a relay, and fuzzing of every wire type and HTTP body (the latter is in the
-test suite). Prints one JSON object: ``faults``, ``survived``, ``exactly_once``,
-``params_equal``, ``forged_accepted``, ``partition_decisions`` and ``results`` (one
-entry per fault).
+- ``ctl_{duplicated,reordered,dropped}``: the daemon and the job on brokers of their
+  own, joined by a test-only relay (``Relay``) that delivers the daemon's commands
+  three times, in swapped pairs, or loses the first copy of each.
+
+Fuzzing of every wire type and HTTP body is in the test suite. Prints one JSON
+object: ``faults``, ``survived``, ``exactly_once``, ``params_equal``,
+``forged_accepted``, ``partition_decisions`` and ``results`` (one entry per fault).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ FAULTS = (
     "joiner_kill_preparing",
     "leaver_kill_preparing",
     "paused_broker",
+    "ctl_duplicated",
+    "ctl_reordered",
+    "ctl_dropped",
 )
 
 
@@ -293,8 +298,120 @@ def _agent(port: int, node: str, role: str) -> None:
 # -- one fault ------------------------------------------------------------------------------
 
 
+class Relay:
+    """A test-only MQTT relay between the daemon's broker and the job's: what the job
+    and the agents publish goes up as it is (retain flag kept, MQTT 5's
+    retain-as-published); the daemon's commands come down through ``fault``:
+
+    - ``duplicated``: each command is delivered three times, the last 0.5 s later;
+    - ``reordered``: commands are delivered in swapped pairs (the second of a pair
+      before the first; a command left alone is delivered after 2 s);
+    - ``dropped``: the first copy of each command (kind and migration id) is lost,
+      so only the daemon's resends arrive.
+    """
+
+    UP = ("tmd/v1/node/#", "tmd/v1/job/+/status", "tmd/v1/job/+/ack",
+          "tmd/v1/job/+/rank/+/iter")  # fmt: skip
+
+    def __init__(self, daemon_port: int, job_port: int, fault: str) -> None:
+        import threading
+
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        from paho.mqtt.subscribeoptions import SubscribeOptions
+
+        self.fault = fault
+        self.counts = {"down": 0, "delivered": 0, "up": 0}
+        self._lock = threading.Lock()
+        self._held: tuple[str, bytes] | None = None
+        self._seen: set[bytes] = set()
+        self._timers: list[threading.Timer] = []
+
+        def client(port: int, name: str) -> Any:
+            c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"relay-{name}",
+                            protocol=paho.MQTTv5)  # fmt: skip
+            c.connect("127.0.0.1", port)
+            c.loop_start()
+            return c
+
+        self.to_daemon, self.to_job = client(daemon_port, "up"), client(job_port, "down")
+        self.from_job, self.from_daemon = client(job_port, "up-in"), client(daemon_port, "down-in")
+        options = SubscribeOptions(qos=1, retainAsPublished=True)
+        self.from_job.on_message = self._up
+        self.from_job.subscribe([(t, options) for t in self.UP])
+        self.from_daemon.on_message = self._down
+        self.from_daemon.subscribe([("tmd/v1/job/+/ctl", options)])
+        time.sleep(0.5)  # both subscriptions in place before the job starts
+
+    def _up(self, _c: Any, _u: Any, m: Any) -> None:
+        self.counts["up"] += 1
+        self.to_daemon.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)
+
+    def _deliver(self, topic: str, payload: bytes) -> None:
+        self.counts["delivered"] += 1
+        self.to_job.publish(topic, payload, qos=1)
+
+    def _later(self, delay_s: float, topic: str, payload: bytes) -> None:
+        import threading
+
+        timer = threading.Timer(delay_s, self._deliver, (topic, payload))
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def _down(self, _c: Any, _u: Any, m: Any) -> None:
+        topic, payload = m.topic, bytes(m.payload)
+        with self._lock:
+            self.counts["down"] += 1
+            if self.fault == "duplicated":
+                self._deliver(topic, payload)
+                self._deliver(topic, payload)
+                self._later(0.5, topic, payload)
+            elif self.fault == "dropped":
+                message = json.loads(payload)
+                key = f"{message.get('cmd')} {message.get('migration_id')}".encode()
+                if key in self._seen:
+                    self._deliver(topic, payload)
+                self._seen.add(key)
+            elif self.fault == "reordered":
+                if self._held is None:
+                    self._held = (topic, payload)
+                    held = self._held
+                    self._later_flush(held)
+                else:
+                    first, self._held = self._held, None
+                    self._deliver(topic, payload)
+                    self._deliver(*first)
+            else:
+                self._deliver(topic, payload)
+
+    def _later_flush(self, held: tuple[str, bytes]) -> None:
+        import threading
+
+        def flush() -> None:
+            with self._lock:
+                if self._held is held:
+                    self._held = None
+                    self._deliver(*held)
+
+        timer = threading.Timer(2.0, flush)
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        for c in (self.to_daemon, self.to_job, self.from_job, self.from_daemon):
+            c.loop_stop()
+            c.disconnect()
+
+
 class Stack:
-    def __init__(self, root: Path, *, secure: Secure | None = None, agents: bool = False) -> None:
+    def __init__(
+        self, root: Path, *, secure: Secure | None = None, agents: bool = False,
+        relay: str = "",
+    ) -> None:  # fmt: skip
         from tmd.runtime.launch import LocalJob
 
         self.root, self.secure = root, secure
@@ -303,6 +420,14 @@ class Stack:
         port = free_port()
         self.broker = Mosquitto(port=port, config=secure.config(port) if secure else "")
         self.broker.start()
+        # With a relay, the job talks to a broker of its own, the daemon to ``broker``.
+        self.job_broker: Mosquitto | None = None
+        self.relay: Relay | None = None
+        job_port = port
+        if relay:
+            self.job_broker = Mosquitto().start()
+            job_port = self.job_broker.port
+            self.relay = Relay(port, job_port, relay)
         self.agents: list[Any] = []
         if agents:
             ctx = mp.get_context("spawn")
@@ -322,7 +447,7 @@ class Stack:
         cmd = [*WORKER, "--steps", "1000000", "--out", str(self.out), "--sleep", str(SLEEP_S),
                "--stop-key", STOP_KEY]  # fmt: skip
         self.job = LocalJob(cmd, nproc=NPROC, standby=1, nproc_per_node=PER_NODE, job=JOB,
-                            broker=f"127.0.0.1:{port}", extra_env=env)  # fmt: skip
+                            broker=f"127.0.0.1:{job_port}", extra_env=env)  # fmt: skip
 
     def standby_ready(self) -> None:
         def known() -> bool:
@@ -369,6 +494,10 @@ class Stack:
         self.daemon.stop()
         for proc in self.agents:
             proc.kill()
+        if self.relay is not None:
+            self.relay.close()
+        if self.job_broker is not None:
+            self.job_broker.stop()
         self.broker.stop()
 
 
@@ -416,7 +545,8 @@ def _compare(out: Path, root: Path) -> tuple[bool, dict[str, Any]]:
 def run_fault(name: str, root: Path, p: Progress) -> dict[str, Any]:
     root.mkdir(parents=True)
     secure = Secure(root) if name == "forged" else None
-    stack = Stack(root, secure=secure, agents=name == "paused_broker")
+    relay = name.removeprefix("ctl_") if name.startswith("ctl_") else ""
+    stack = Stack(root, secure=secure, agents=name == "paused_broker", relay=relay)
     result: dict[str, Any] = {"fault": name, "injected": False}
     try:
         stack.standby_ready()
@@ -557,6 +687,14 @@ def _statuses(d: Daemon) -> list[dict[str, Any]]:
     return jobs
 
 
+def _through_relay(stack: Stack) -> dict[str, Any]:
+    out = _migrate_with(stack, "done", lambda: None)
+    assert stack.relay is not None
+    out["relayed"] = dict(stack.relay.counts)
+    out["expected"] = out["outcomes"] == ["done"]
+    return out
+
+
 _INJECTORS: dict[str, Callable[[Stack], dict[str, Any]]] = {
     "forged": _forged,
     "broker_restart_preparing": _broker_restart("preparing"),
@@ -570,6 +708,9 @@ _INJECTORS: dict[str, Callable[[Stack], dict[str, Any]]] = {
     # asked, or the migration ends aborted if the failover came first; either once.
     "leaver_kill_preparing": _process_kill("worker1", ("done", "aborted", "failed")),
     "paused_broker": _paused_broker,
+    "ctl_duplicated": _through_relay,
+    "ctl_reordered": _through_relay,
+    "ctl_dropped": _through_relay,
 }
 
 
