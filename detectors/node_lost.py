@@ -4,8 +4,8 @@ or its heartbeats (the 1 Hz GPU samples) stopped for longer than the timeout.
 One finding per loss: a node found lost is reported again only after it came back.
 Only while the daemon's own view is trusted (``tmd.daemon.freshness``): silences count
 from when it became current, and a Last Will read while it was not (a broker that
-was paused replays them) is held until it is; it is reported then if the node has
-not beaten since.
+was paused replays them) is held as a silence from then: it is reported if the node
+has not beaten within the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -71,8 +71,11 @@ class NodeLostDetector(Detector):
         timeout = self.config.heartbeat_timeout_s
         for node in [n for n, t in self._lost.items() if now - t > self.config.forget_after_s]:
             del self._lost[node]
-        offline, self._offline = self._offline, {}
-        for node in offline:
+        # A Last Will read while the view was not trusted (a broker that paused times
+        # out every connection) is a silence from when the view became current: its
+        # agent has the heartbeat timeout to come back, as a silent one has.
+        for node in [n for n in self._offline if now - since > timeout]:
+            del self._offline[node]
             if node not in self._lost and node not in self._last_beat:
                 self._lost[node] = now
                 yield events.NodeLost(

@@ -95,6 +95,7 @@ class Ingest:
         # This daemon's lag probe, on a topic of its own (not shared with other heads).
         self.probe_topic = wire.probe_topic(f"d{secrets.token_hex(6)}")
         self._probe_nonce = secrets.token_hex(8)
+        self._probes_out: dict[float, bool] = {}  # send stamps not read back yet
         self.freshness = view.freshness = Freshness(
             interval_s=config.probe_interval_s,
             max_lag_s=config.stale_lag_s,
@@ -195,10 +196,10 @@ class Ingest:
             sent = float(sent_text)
         except ValueError:
             return
-        if nonce != self._probe_nonce or not sent <= now:
-            # Not this daemon's probe (on a broker without an ACL anyone can write the
-            # topic; one stamped ahead would hide a stale view), or a clock that went
-            # back: nothing to learn from it.
+        if nonce != self._probe_nonce or self._probes_out.pop(sent, None) is None:
+            # Not a probe this daemon sent, or one already read: on a broker without an
+            # ACL anyone can write (and read) the topic, and a stamp ahead would hide a
+            # stale view, one far behind would keep it stale.
             return
         self.freshness.answered(sent, now)
         self._metrics.ingest_lag.set(self.freshness.last_lag_s)
@@ -211,6 +212,9 @@ class Ingest:
             client = self._client_now
             if client is not None:
                 payload = f"{now!r} {self._probe_nonce}".encode()
+                self._probes_out[now] = True
+                while len(self._probes_out) > 64:  # probes that never came back
+                    del self._probes_out[next(iter(self._probes_out))]
                 try:
                     await client.publish(self.probe_topic, payload, qos=0)
                 except Exception as exc:  # never ends the daemon: the view goes stale

@@ -165,6 +165,8 @@ class NodeView:
     status_seen: float = 0.0
     """When (daemon time) the last status published live arrived: the agent (re)started
     or reconnected then. A retained copy replayed on subscribing does not count."""
+    live_seen: float = 0.0
+    """When (daemon time) anything its agent published live last arrived."""
 
 
 @dataclass
@@ -280,7 +282,7 @@ class ClusterView:
 
     def apply_node_status(self, status: wire.NodeStatus, now: float, *, live: bool = True) -> None:
         """``live``: published now, not a retained copy replayed by the broker."""
-        node = self._node(status.node, now)
+        node = self._node(status.node, now, live=live)
         node.status_ts = status.ts
         if live:
             node.status_seen = now
@@ -311,13 +313,15 @@ class ClusterView:
         self.held_ranks += held - job.held
         job.held = held
 
-    def _node(self, name: str, now: float) -> NodeView:
+    def _node(self, name: str, now: float, *, live: bool = True) -> NodeView:
         node = self.nodes.get(name)
         if node is None:
             if len(self.nodes) >= self.max_nodes:
                 raise ProtocolError("limit", f"more than {self.max_nodes} nodes (ingest.max_nodes)")
             node = self.nodes[name] = NodeView(name)
         node.last_seen = now
+        if live:
+            node.live_seen = now
         return node
 
     # -- standbys: who may take a machine's place -----------------------------------------
@@ -351,8 +355,9 @@ class ClusterView:
         if since is None:
             return False
         # Anything the agent sent after the loss (a sample, an XID, its status) proves
-        # the machine is up: the loss was a silence, not a death.
-        if seen is not None and seen.last_seen > since:
+        # the machine is up: the loss was a silence, not a death. Not a retained copy
+        # the broker replays on a reconnect: a dead agent's last status is one.
+        if seen is not None and seen.live_seen > since:
             del self._lost[node]
             return False
         return True

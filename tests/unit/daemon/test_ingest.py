@@ -314,15 +314,20 @@ def test_every_wire_type_mutated_anywhere_is_applied_or_counted_never_raised(
 
 
 def test_only_this_daemon_s_own_probe_says_its_view_is_current() -> None:
-    """A probe on the daemon's topic counts only with its nonce and a send time not
-    ahead of the daemon's clock: a forged one (any client may write the topic where
-    the broker has no ACL) must not hide a stale view."""
+    """A probe on the daemon's topic counts only if this daemon sent it (its nonce and
+    a send stamp it recorded), once: a forged one (any client may write the topic where
+    the broker has no ACL) must neither hide a stale view nor keep a current one stale."""
     ingest, _, _, _ = make_ingest()
     now = ingest._clock.now()
     ingest.freshness.connection(True, now)
-    ingest.handle(ingest.probe_topic, f"{now + 3600!r} {ingest._probe_nonce}".encode())
+    ingest._probes_out[now] = True  # as ``probe`` records what it sends
+    nonce = ingest._probe_nonce
+    ingest.handle(ingest.probe_topic, f"{now + 3600!r} {nonce}".encode())  # never sent
+    ingest.handle(ingest.probe_topic, f"{0.0!r} {nonce}".encode())  # never sent
     ingest.handle(ingest.probe_topic, f"{now!r} forged".encode())
     ingest.handle(ingest.probe_topic, b"\xff not even text")
     assert ingest.freshness.stale(now)
-    ingest.handle(ingest.probe_topic, f"{now!r} {ingest._probe_nonce}".encode())
+    ingest.handle(ingest.probe_topic, f"{now!r} {nonce}".encode())
     assert not ingest.freshness.stale(now) and ingest.freshness.fresh_since == now
+    ingest.handle(ingest.probe_topic, f"{now!r} {nonce}".encode())  # a replay: once only
+    assert ingest.freshness.fresh_since == now

@@ -271,8 +271,11 @@ def test_a_faulty_standby_is_out_until_its_agent_reports_after_the_fault() -> No
     # Its agent restarted, on a clock an hour behind the daemon's: received after.
     view.apply_node_status(node("s0", ts=TS - 3600), TS + 7)
     assert view.ready_standbys("j") == ["s0"] and view.healthy("s0")
-    # s1 was lost: back once anything of its agent arrives after the loss, whatever
-    # its clock says (here after an outage that made the daemon think it lost).
+    # s1 was lost: a retained status the broker replays on a reconnect is no sign of
+    # life (a dead agent's last one is such); anything its agent sends live after the
+    # loss is, whatever its clock says.
+    view.apply_node_status(node("s1"), TS + 7.5, live=False)
+    assert view.ready_standbys("j") == ["s0"]
     view.apply_gpu(wire.NodeGpu(ts=TS - 3600, node="s1"), TS + 8)
     assert view.ready_standbys("j") == ["s0", "s1"]
 

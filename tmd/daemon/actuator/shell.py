@@ -107,7 +107,12 @@ class Actuator:
             deferred, self._deferred = self._deferred, {}
             self.log.info("the view is current again: deciding", decisions=len(deferred))
             for decision in deferred.values():
-                out += self.on_event(decision, now)
+                try:
+                    out += self.on_event(decision, now)
+                except Exception as exc:  # one failure must not drop the others
+                    self.log.error("a deferred decision failed", error=repr(exc),
+                                   job=decision.job, node=decision.node)  # fmt: skip
+                    self._drop_deferred(decision, f"it failed when run: {exc!r}", now)
         for flight in list(self.flights.values()):
             out += self._apply(
                 flight, self.machine.on_tick(flight, now, self.view.jobs.get(flight.job)), now
@@ -264,18 +269,24 @@ class Actuator:
         self._deferred.pop(key, None)
         self._deferred[key] = decision
         if len(self._deferred) > MAX_DEFERRED:
-            oldest = next(iter(self._deferred))
-            dropped = self._deferred.pop(oldest)
+            dropped = self._deferred.pop(next(iter(self._deferred)))
             why = f"more than {MAX_DEFERRED} decisions deferred while the view was stale"
-            self.emit(
-                events.Hold(ts=now, policy=SOURCE, job=dropped.job, node=dropped.node,
-                            reason=f"{dropped.policy}'s decision about {dropped.node} dropped: "
-                            f"{why}", held=dropped.policy),
-                SOURCE,
-            )  # fmt: skip
+            self._drop_deferred(dropped, why, now)
         if len(self._deferred) == 1:
             state = self.view.freshness.state(now)
             self.log.warning("deferring decisions: the daemon's view is not current", view=state)
+
+    def _drop_deferred(
+        self, decision: events.Migrate | events.CheckpointRestart, why: str, now: float
+    ) -> None:
+        """A deferred decision that will not run: a ``Hold``, so its policy may decide
+        again."""
+        self.emit(
+            events.Hold(ts=now, policy=SOURCE, job=decision.job, node=decision.node,
+                        reason=f"{decision.policy}'s decision about {decision.node} "
+                        f"dropped: {why}", held=decision.policy),
+            SOURCE,
+        )  # fmt: skip
 
     def _ignore(self, reason: str, what: str) -> None:
         """Count a message not acted on; logged once per reason."""

@@ -644,3 +644,30 @@ def test_no_migration_starts_while_the_view_is_stale_and_one_decided_then_runs_a
     out = h.actuator.on_tick(T0 + 5.5)
     assert [type(m) for m in out] == [wire.Prepare] and out[0].leaver == "w2"  # type: ignore[attr-defined]
     assert h.actuator.on_tick(T0 + 6) == []  # once
+
+
+def test_a_deferred_decision_that_fails_is_held_and_the_others_still_run(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tmd.daemon.freshness import Freshness
+
+    h.status(status())
+    h.view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=0.0)
+    f.connection(True, T0)
+    f.answered(T0, T0)
+    f.connection(False, T0 + 0.5)  # the broker went away: decisions wait
+    for node in ("w1", "w2"):
+        assert h.actuator.on_event(migrate(node=node, policy="failover"), T0 + 1) == []
+    real = h.actuator._on_migrate
+
+    def broken(decision: events.Migrate, now: float) -> list[wire.Message]:
+        if decision.node == "w1":
+            raise RuntimeError("journal on fire")
+        return real(decision, now)
+
+    monkeypatch.setattr(h.actuator, "_on_migrate", broken)
+    f.connection(True, T0 + 2)
+    f.answered(T0 + 2, T0 + 2)
+    out = h.actuator.on_tick(T0 + 2)
+    assert [(type(m), m.leaver) for m in out] == [(wire.Prepare, "w2")]  # type: ignore[attr-defined]
+    assert "journal on fire" in h.holds()[-1] and "w1" in h.holds()[-1]
