@@ -288,6 +288,9 @@ async def test_killed_agent_last_will_becomes_a_journaled_node_lost(
             ),
             timeout_s=20,
         )
+        # Once the daemon trusts its view (a Will read before that is a silence, judged
+        # only past the heartbeat timeout), a Will is a loss at once.
+        await eventually(lambda: daemon.health()["view"] == "current", timeout_s=20)
         agent.kill()
         await eventually(lambda: daemon.view.nodes["will-node"].state == "offline")
     finally:
