@@ -9,7 +9,6 @@ import json
 import pkgutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,6 +37,38 @@ def loaded_after(module: str) -> tuple[int, str, list[str]]:
     return proc.returncode, proc.stderr, loaded
 
 
+# Imports each module named in argv in a child forked from an interpreter that loaded
+# the heavy third-party packages first, but no tmd module: as a fresh interpreter for
+# what this test is about (tmd's own import order), without paying torch's import once
+# per module. Prints {module: traceback or ""}.
+_FORKED = """
+import importlib, json, os, sys, tempfile, traceback
+for heavy in ("torch", "numpy", "aiohttp", "aiomqtt", "prometheus_client", "structlog",
+              "msgspec"):
+    try:
+        importlib.import_module(heavy)
+    except ImportError:
+        pass
+assert not [m for m in sys.modules if m == "tmd" or m.startswith("tmd.")]
+out = {}
+for module in sys.argv[1:]:
+    with tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                importlib.import_module(module)
+            except BaseException:
+                err.write(traceback.format_exc())
+                err.flush()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        err.seek(0)
+        out[module] = "" if status == 0 else (err.read() or f"exit status {status}")
+print(json.dumps(out))
+"""
+
+
 def test_every_module_imports_on_its_own() -> None:
     modules = all_modules()
     # The walk itself must see every role; a broken package would hide its modules.
@@ -51,10 +82,25 @@ def test_every_module_imports_on_its_own() -> None:
         "tmd.daemon.actuator",
     ):
         assert expected in modules
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(modules, pool.map(loaded_after, modules), strict=True))
-    failed = {m: err for m, (rc, err, _) in results.items() if rc != 0}
-    assert failed == {}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED, *modules],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results: dict[str, str] = json.loads(proc.stdout)
+    assert sorted(results) == modules
+    assert {m: err for m, err in results.items() if err} == {}
+
+
+def test_an_import_that_fails_is_reported() -> None:
+    """The forked check itself: a module that cannot import is named, with its error."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED, "tmd.wire", "tmd.no_such_module"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    results = json.loads(proc.stdout)
+    assert results["tmd.wire"] == ""
+    assert "ModuleNotFoundError" in results["tmd.no_such_module"]
 
 
 @pytest.mark.parametrize(

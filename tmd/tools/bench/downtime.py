@@ -149,6 +149,9 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     # final parameters to compare runs by.
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds slept after each step")
     parser.add_argument("--hash-params", action="store_true", help="record a parameter digest")
+    parser.add_argument(
+        "--hash-every-step", action="store_true", help="and after every step (a reference run)"
+    )
     return parser.parse_args(argv)
 
 
@@ -213,6 +216,8 @@ def worker(argv: list[str]) -> int:
             record["steps"].append([s.rank, step, float(loss.item()), t.end_ts, t.step_s,
                                     _rss_bytes(), t.compute_s, t.allreduce_s,
                                     t.optimizer_s])  # fmt: skip
+            if args.hash_every_step:
+                record.setdefault("digests", {})[str(s.state.step)] = _digest(model)
             if s.rank == 0:
                 s.store.set("bench/step", str(s.state.step))
             # Every rank reads the key each step, long before the step it names.

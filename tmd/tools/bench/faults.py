@@ -8,7 +8,8 @@ node agents. The fault is injected at a journaled phase of a migration an operat
 asked for (``POST /api/v1/migrate``), or into the running job, and the job is then
 stopped at a step every rank agrees on. A fault is *survived* when every process
 that held a rank at the end exited 0, each final rank's parameters and every
-(rank, step) loss equal those of an undisturbed reference run of as many steps, and
+(rank, step) loss equal those of an undisturbed reference run (one, shared by every
+fault, recording each rank's parameter digest after every step) at that step, and
 each migration the daemon journaled ended exactly once (``exactly_once``).
 
 Faults:
@@ -61,7 +62,7 @@ from tmd.tools.mosquitto import Mosquitto, free_port
 
 JOB = "faults"
 TOKEN = "bench-faults"
-NPROC, PER_NODE = 4, 2
+PER_NODE = 2  # ranks per machine; the job has two machines and one standby machine
 STOP_KEY = "faults/stop"
 SLEEP_S = 0.05
 HEARTBEAT_S = 3.0
@@ -410,11 +411,12 @@ class Relay:
 class Stack:
     def __init__(
         self, root: Path, *, secure: Secure | None = None, agents: bool = False,
-        relay: str = "",
+        relay: str = "", per_node: int = PER_NODE,
     ) -> None:  # fmt: skip
         from tmd.runtime.launch import LocalJob
 
         self.root, self.secure = root, secure
+        self.nproc = 2 * per_node
         self.out = root / "job"
         self.out.mkdir()
         port = free_port()
@@ -446,7 +448,7 @@ class Stack:
         self.daemon = Daemon(root, mqtt)
         cmd = [*WORKER, "--steps", "1000000", "--out", str(self.out), "--sleep", str(SLEEP_S),
                "--stop-key", STOP_KEY]  # fmt: skip
-        self.job = LocalJob(cmd, nproc=NPROC, standby=1, nproc_per_node=PER_NODE, job=JOB,
+        self.job = LocalJob(cmd, nproc=self.nproc, standby=1, nproc_per_node=per_node, job=JOB,
                             broker=f"127.0.0.1:{job_port}", extra_env=env)  # fmt: skip
 
     def standby_ready(self) -> None:
@@ -515,38 +517,69 @@ def _exactly_once(daemon: Daemon) -> bool:
     )
 
 
-def _compare(out: Path, root: Path) -> tuple[bool, dict[str, Any]]:
-    """Parameters and losses of the run in ``out`` against a reference run of as many
-    steps, on machines of the same size, undisturbed."""
-    from datetime import timedelta
+class Reference:
+    """An undisturbed run of the same job, shared by every fault: it records each rank's
+    parameter digest after every step, so one run answers for any step a faulted run
+    stopped at (it is run again, longer, when a faulted run went past its end)."""
 
-    from tmd.runtime.launch import LocalJob
+    def __init__(self, root: Path, *, per_node: int = PER_NODE) -> None:
+        self.root, self.per_node, self.nproc = root, per_node, 2 * per_node
+        self.steps = 0
+        self._digests: dict[tuple[int, int], str] = {}
+        self._rows: dict[tuple[int, int], Any] = {}
 
-    finals = [r for r in measure.records(out) if "params_sha256" in r]
-    steps = {r["final_step"] for r in finals}
-    if len(steps) != 1 or len(finals) != NPROC:
-        return False, {"why": f"{len(finals)} final ranks at steps {sorted(steps)}"}
-    ref = root / "reference"
-    ref.mkdir()
-    job = LocalJob([*WORKER, "--steps", str(steps.pop()), "--out", str(ref)], nproc=NPROC,
-                   standby=0, nproc_per_node=PER_NODE, job="reference")  # fmt: skip
-    try:
-        job.wait(timedelta(seconds=300))
-    finally:
-        job.terminate()
-    want = {r["final_rank"]: r["params_sha256"] for r in measure.records(ref) if "final_rank" in r}
-    got = {r["final_rank"]: r["params_sha256"] for r in finals}
-    reference = {(r[0], r[1]): r for r in measure.step_rows(measure.records(ref))}
-    # Losses of ranks whose process died with its machine are not all written.
-    losses = measure.loss_match(measure.losses(out), reference, complete=False)
-    return got == want and losses, {"params_equal": got == want, "loss_match": losses}
+    def ensure(self, steps: int) -> None:
+        if steps <= self.steps:
+            return
+        from datetime import timedelta
+
+        from tmd.runtime.launch import LocalJob
+
+        steps = max(steps, 2 * self.steps, 400)
+        out = self.root / f"reference-{steps}"
+        out.mkdir(parents=True)
+        job = LocalJob([*WORKER, "--steps", str(steps), "--out", str(out), "--hash-every-step"],
+                       nproc=self.nproc, standby=0, nproc_per_node=self.per_node,
+                       job="reference")  # fmt: skip
+        try:
+            codes = job.wait(timedelta(seconds=300))
+        finally:
+            job.terminate()
+        if set(codes.values()) != {0}:
+            raise RuntimeError(f"the reference run failed: {codes}")
+        records = measure.records(out)
+        self._digests = {
+            (r["final_rank"], int(step)): digest
+            for r in records if "final_rank" in r
+            for step, digest in r["digests"].items()
+        }  # fmt: skip
+        self._rows = {(r[0], r[1]): r for r in measure.step_rows(records)}
+        self.steps = steps
+
+    def compare(self, out: Path) -> tuple[bool, dict[str, Any]]:
+        """Parameters and losses of the run in ``out`` against this reference at the
+        step the run stopped at."""
+        finals = [r for r in measure.records(out) if "params_sha256" in r]
+        steps = {r["final_step"] for r in finals}
+        if len(steps) != 1 or len(finals) != self.nproc:
+            return False, {"why": f"{len(finals)} final ranks at steps {sorted(steps)}"}
+        step = steps.pop()
+        self.ensure(step)
+        got = {r["final_rank"]: r["params_sha256"] for r in finals}
+        want = {rank: self._digests.get((rank, step)) for rank in got}
+        # Losses of ranks whose process died with its machine are not all written.
+        losses = measure.loss_match(measure.losses(out), self._rows, complete=False)
+        return got == want and losses, {"params_equal": got == want, "loss_match": losses}
 
 
-def run_fault(name: str, root: Path, p: Progress) -> dict[str, Any]:
+def run_fault(
+    name: str, root: Path, p: Progress, *, reference: Reference, per_node: int = PER_NODE
+) -> dict[str, Any]:
     root.mkdir(parents=True)
     secure = Secure(root) if name == "forged" else None
     relay = name.removeprefix("ctl_") if name.startswith("ctl_") else ""
-    stack = Stack(root, secure=secure, agents=name == "paused_broker", relay=relay)
+    stack = Stack(root, secure=secure, agents=name == "paused_broker", relay=relay,
+                  per_node=per_node)  # fmt: skip
     result: dict[str, Any] = {"fault": name, "injected": False}
     try:
         stack.standby_ready()
@@ -563,7 +596,7 @@ def run_fault(name: str, root: Path, p: Progress) -> dict[str, Any]:
         return {**result, "survived": False, "exactly_once": False, "params_equal": False}
     finally:
         stack.close()
-    equal, detail = _compare(stack.out, root)
+    equal, detail = reference.compare(stack.out)
     result.update(detail, params_equal=equal)
     members = {n: c for n, c in result["exit_codes"].items() if c != -signal.SIGKILL}
     result["survived"] = bool(
@@ -596,12 +629,24 @@ def _broker_restart(state: str) -> Callable[[Stack], dict[str, Any]]:
 
 def _daemon_kill(state: str) -> Callable[[Stack], dict[str, Any]]:
     def inject(stack: Stack) -> dict[str, Any]:
+        killed_in: list[str] = []
+
         def kill_and_start() -> None:
             stack.daemon.freeze_and_kill()
+            killed_in.extend(s for _, s in stack.daemon.migration_states())
             stack.daemon.start()
 
         out = _migrate_with(stack, state, kill_and_start)
-        out["expected"] = out["outcomes"] == ["done"]
+        # Resumed once, from the state it was killed in (a migration killed before its
+        # prepare was journaled is resumed by preparing it), or, killed while switching,
+        # found switched by the job's status at the next start and not resumed at all.
+        resumed = [b["state"] for b in stack.daemon.events("MigrationState") if b.get("resumed")]
+        [was] = killed_in or [""]
+        out.update(killed_in=was, resumed=resumed)
+        out["injected"] = out["injected"] and was not in ("", *TERMINAL)
+        switching = was in ("prepared", "switching")
+        want = [["switching"], []] if switching else [["preparing"]]
+        out["expected"] = out["outcomes"] == ["done"] and resumed in want
         return out
 
     return inject
@@ -641,8 +686,8 @@ def _forged(stack: Stack) -> dict[str, Any]:
         wire.Switch(ts=now, job=JOB, migration_id=forged_id),
         wire.Abort(ts=now, job=JOB, migration_id=forged_id),
     ]  # fmt: skip
-    status = wire.JobStatus(ts=now, job=JOB, generation=7, world_size=NPROC,
-                            members=[wire.Member(r, "worker0") for r in range(NPROC)])  # fmt: skip
+    members = [wire.Member(r, "worker0") for r in range(stack.nproc)]
+    status = wire.JobStatus(ts=now, job=JOB, generation=7, world_size=stack.nproc, members=members)
     ack = wire.Ack(ts=now, job=JOB, migration_id=forged_id, kind="switched", node="worker1")
     xid = wire.XidEvent(ts=now, node="worker1", gpu=0, xid=79)
     offline = wire.NodeStatus(ts=now, node="worker1", state="offline")
@@ -719,7 +764,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(FAULTS)}")
     parser.add_argument("--json", action="store_true", help="print the JSON object only")
     parser.add_argument("--keep", action="store_true", help="keep the run's files")
+    parser.add_argument(
+        "--per-node", type=int, default=PER_NODE, help="ranks per machine (two, and a standby)"
+    )
     args = parser.parse_args(argv)
+    if args.per_node < 1:
+        parser.error("--per-node must be >= 1")
     chosen = [f for f in args.only.split(",") if f] or list(FAULTS)
     unknown = sorted(set(chosen) - set(FAULTS))
     if unknown:
@@ -727,10 +777,11 @@ def main(argv: list[str] | None = None) -> int:
     p = Progress()
     root = Path(tempfile.mkdtemp(prefix="tmd-bench-faults-"))
     results = []
+    reference = Reference(root / "reference", per_node=args.per_node)
     try:
         for name in chosen:
             p.say(f"{name}: starting")
-            r = run_fault(name, root / name, p)
+            r = run_fault(name, root / name, p, reference=reference, per_node=args.per_node)
             p.say(f"{name}: {'survived' if r['survived'] else 'NOT survived'}")
             results.append(r)
     finally:
@@ -747,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         "partition_decisions": (
             sum(r.get("partition_decisions", 0) for r in paused) if paused else None
         ),
+        "per_node": args.per_node,
         "load": os.getloadavg()[0],
         "results": results,
         "kept": str(root) if args.keep else None,
