@@ -265,6 +265,14 @@ class ClusterView:
         if self.held_ranks - known.held + held > self.max_ranks:
             raise _too_many_ranks(self.max_ranks)
         job = self._job(status.job, now)
+        if status.run > job.run:
+            # A new run of the job (its launcher started it again from a checkpoint):
+            # its generations count from 0 again and its steps go back, so what the
+            # ranks reported before belongs to a timeline that is gone. Kept, its
+            # higher generation would make every step of the new run look late.
+            for state in job.ranks.values():
+                state.reset()
+                state.generation = 0
         job.status_ts = status.ts
         job.world_size = status.world_size
         job.generation = status.generation

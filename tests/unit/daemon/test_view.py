@@ -133,6 +133,30 @@ def test_rollback_to_an_earlier_step_in_a_new_generation_restarts_the_ring() -> 
     assert rank.generation == 1 and rank.last_step == 54
 
 
+def test_a_new_run_counts_its_generations_from_zero_and_its_steps_land() -> None:
+    """A job its launcher started again (``run`` 1) from a checkpoint: its runtime's
+    generation is 0 again and its steps go back. Found by ``tmd sim``: before, every
+    step of such a run past the old front was counted late, and the straggler
+    detector went blind on every job restarted after a migration."""
+    view = ClusterView(window_steps=8)
+
+    def status(run: int, generation: int) -> wire.JobStatus:
+        return wire.JobStatus(ts=TS, job="j", generation=generation, world_size=1,
+                              members=[wire.Member(0, "n0", 0)], run=run)  # fmt: skip
+
+    view.apply_job_status(status(0, 3), TS)
+    old = wire.IterBatch(ts=TS, job="j", rank=0, node="n0", generation=3,
+                         steps=[wire.StepTiming(s, TS + s, 1.0, 0.5, 0.4, 0.05, 0.05)
+                                for s in range(1, 101)])  # fmt: skip
+    view.apply_iter(old, TS)
+    view.apply_job_status(status(1, 0), TS)
+    resumed = view.apply_iter(batch(0, list(range(60, 120)), compute=0.9), TS)
+    rank = view.jobs["j"].ranks[0]
+    assert (resumed.accepted, resumed.late, resumed.duplicate) == (60, 0, 0)
+    assert rank.last_step == 119 and rank.generation == 0
+    assert rank.recent("compute_s") == pytest.approx([0.9] * 8)
+
+
 def test_a_rejected_batch_takes_no_job_slot() -> None:
     view = ClusterView(max_jobs=1, max_ranks_per_job=4)
     with pytest.raises(ProtocolError):
