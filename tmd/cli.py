@@ -65,6 +65,12 @@ def _bench_faults(argv: list[str]) -> int:
     return faults.main(argv)
 
 
+def _sim(argv: list[str]) -> int:
+    from tmd.sim import cli
+
+    return cli.main(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from tmd.runtime import launch
 
@@ -82,6 +88,7 @@ _OWN_PARSERS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
     ("bench", "detect"): _bench_detect,
     ("bench", "downtime"): _bench_downtime,
     ("bench", "faults"): _bench_faults,
+    ("sim",): _sim,
     ("launch",): _launch,
     ("store",): _store,
 }
@@ -101,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     sub.add_parser("version", help="print the version")
     sub.add_parser("bench", help="benchmarks: `tmd bench ingest|detect|downtime|faults --help`")
+    sub.add_parser("sim", help="the daemon against a simulated cluster: `tmd sim --help`")
     sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
     sub.add_parser("store", help="serve a job's TCPStore for torchrun/srun: `tmd store --help`")
     return p

@@ -1,8 +1,9 @@
 """The house's layering, read from the import statements of every module.
 
 Folders are roles: ``tmd/`` holds what every role shares, ``tmd/daemon`` the head-node
-daemon, ``tmd/agent`` the node agent, ``tmd/tools`` demo and benchmarks, ``runtime/``
-what runs inside training processes. Imports flow one way (``shared/DESIGN.md``).
+daemon, ``tmd/agent`` the node agent, ``tmd/tools`` demo and benchmarks, ``tmd/sim``
+the cluster simulator, ``runtime/`` what runs inside training processes. Imports flow
+one way (``shared/DESIGN.md``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "detectors": ("tmd.detectors", *PLUGIN_API, *SHARED),
     "policies": ("tmd.policies", *PLUGIN_API, *SHARED),
     "tmd/daemon": ("tmd.daemon", "tmd.detectors", "tmd.policies", "tmd.plugins", *SHARED_ALL),
+    # The simulator drives the daemon's own parts; it never loads the runtime or agent.
+    "tmd/sim": (
+        "tmd.sim",
+        "tmd.daemon",
+        "tmd.detectors",
+        "tmd.policies",
+        "tmd.plugins",
+        "tmd.tools",
+        *SHARED_ALL,
+    ),
 }
 SHARED_FILES = [f"tmd/{m.split('.')[1]}.py" for m in SHARED_ALL]
 

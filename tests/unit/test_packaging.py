@@ -22,3 +22,11 @@ def test_every_package_of_the_tree_is_installed() -> None:
             found.add(".".join([name, *rel.parts]))
     assert found - installed == set(), "packages missing from [tool.setuptools] packages"
     assert installed - found == set(), "listed packages that do not exist"
+
+
+def test_the_simulator_s_data_files_are_installed() -> None:
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setup["package-data"]["tmd.sim"]
+    data = ROOT / "tmd" / "sim"
+    shipped = {p for pattern in patterns for p in data.glob(pattern)}
+    assert {p.name for p in (data / "data").glob("*.toml")} <= {p.name for p in shipped}

@@ -43,6 +43,15 @@ def plugin_specs(config: Config) -> list[plugins.Spec]:
     ]
 
 
+def note_finding(view: ClusterView, event: events.Event, now: float) -> None:
+    """What the view must know of a finding before anyone hears of it: the policies
+    and the actuator both ask the view for ready standbys, and neither may offer a
+    faulty or lost machine. A lost machine's processes are not asked to restart
+    (``ClusterView.lost``). The daemon and the simulator (``tmd.sim``) both call it."""
+    if isinstance(event, (events.GpuFault, events.NodeLost)):
+        view.note_fault(event.node, now, lost=isinstance(event, events.NodeLost))
+
+
 class Daemon:
     def __init__(self, config: Config, *, clock: Clock | None = None) -> None:
         self.config = config
@@ -98,12 +107,7 @@ class Daemon:
     def emit(self, event: events.Event, source: str) -> None:
         """A finding, decision or request: journal it, count it, log it, pass it on."""
         kind = type(event).__name__
-        if isinstance(event, (events.GpuFault, events.NodeLost)):
-            # Before anyone hears of it: the policies and the actuator both ask the
-            # view for ready standbys, and neither may offer this node.
-            # A lost machine's processes are not asked to restart (``ClusterView.lost``).
-            lost = isinstance(event, events.NodeLost)
-            self.view.note_fault(event.node, self.clock.now(), lost=lost)
+        note_finding(self.view, event, self.clock.now())
         self.metrics.events.labels(kind=kind).inc()
         try:
             self.journal.record(event, source=source)

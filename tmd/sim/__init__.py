@@ -1,0 +1,1 @@
+"""tmd sim: the real daemon's detectors, policies and actuator against a simulated cluster."""
