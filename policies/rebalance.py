@@ -65,10 +65,14 @@ class RebalancePolicy(Policy):
             self._stragglers[key] = _Straggler(now, event.slowdown)
         elif isinstance(event, events.StragglerCleared):
             self._stragglers.pop(key, None)
-        elif isinstance(event, events.MigrationFinished):
+        elif isinstance(event, events.MigrationFinished) and event.outcome == "done":
             self._stragglers.pop(key, None)  # the machine left the job
-            if event.outcome == "done" and event.downtime_s is not None:
+            if event.downtime_s is not None:
                 self._downtimes.append(event.downtime_s)
+        # An aborted or failed migration left the machine in the job, as slow as it was
+        # and flagged once (the detector does not find it again): kept, so a later tick
+        # tries again (the guardrails' cooldown on the machine applies). Found by
+        # ``tmd sim``: a runtime failover elsewhere in the job aborts a planned move.
         return ()
 
     def expected_cost_s(self) -> float:

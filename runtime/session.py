@@ -174,7 +174,8 @@ class Session:
             )
         self.telemetry = Telemetry(
             sink, job=self.env.job, node=self.env.node, rank=self.rank,
-            flush_interval=self.config.telemetry_flush, max_queue=self.config.telemetry_queue,
+            run=self.env.restart_count, flush_interval=self.config.telemetry_flush,
+            max_queue=self.config.telemetry_queue,
         )  # fmt: skip
         try:
             if self.role == "worker":

@@ -29,6 +29,7 @@ class Telemetry:
         job: str,
         node: str,
         rank: int,
+        run: int = 0,
         flush_interval: timedelta = timedelta(seconds=1),
         max_queue: int = 4096,
     ) -> None:
@@ -36,6 +37,7 @@ class Telemetry:
         self.node = node
         self.rank = rank
         self.generation = 0
+        self.run = run  # the launcher's restart count: a new run's steps go back
         self.dropped = 0  # steps dropped because the queue was full
         self.sent_batches = 0
         self.errors = 0
@@ -79,6 +81,7 @@ class Telemetry:
                 node=self.node,
                 generation=self.generation,
                 steps=steps[start : start + wire.MAX_STEPS_PER_BATCH],
+                run=self.run,
             )
             try:
                 self._sink(wire.iter_topic(self.job, self.rank), wire.encode(batch))

@@ -140,6 +140,9 @@ class IterBatch(Message, kw_only=True, frozen=True):
     node: Name
     generation: Count = 0
     steps: Annotated[list[StepTiming], msgspec.Meta(min_length=1, max_length=MAX_STEPS_PER_BATCH)]
+    run: Count | None = None
+    """The job's run (``JobStatus.run``: its launcher's restart count) these steps belong
+    to; None from a runtime before runs were sent (then the job's status tells)."""
 
 
 def default_node_name() -> str:

@@ -45,6 +45,7 @@ class RankState:
         "late",
         "node",
         "rank",
+        "run",
         "steps",
         "timings",
         "total_steps",
@@ -56,6 +57,7 @@ class RankState:
         self.node = node
         self.window = window
         self.generation = 0
+        self.run = 0
         self.steps = array("q", [-1]) * window
         self.end_ts = array("d", [0.0]) * window
         self.timings = array("f", [0.0]) * (window * _NF)
@@ -96,6 +98,12 @@ class RankState:
             return None
         base = slot * _NF
         return self.timings[base] - self.timings[base + 2]
+
+    def new_run(self, run: int) -> None:
+        """The job's launcher started it again: generations from 0, steps from its
+        checkpoint."""
+        self.reset()
+        self.run, self.generation = run, 0
 
     def reset(self) -> None:
         """Forget the held steps (kept: the counters, which only ever grow)."""
@@ -228,6 +236,13 @@ class ClusterView:
             state = job.ranks[rank] = RankState(rank, batch.node, self.window_steps)
             self.total_ranks += 1
             self._hold(job, _held(len(job.ranks), job))
+        if batch.run is not None and batch.run < state.run:
+            # A batch of a run the job has left behind (delivered late, say after the
+            # daemon reconnected): its timeline is gone, every step is late.
+            state.late += len(batch.steps)
+            return StepsApplied(late=len(batch.steps))
+        if batch.run is not None and batch.run > state.run:
+            state.new_run(batch.run)  # a new run counts its generations from 0 again
         elif batch.generation > state.generation and batch.steps[0].step <= state.last_step:
             state.reset()  # a new generation restarted from an earlier step: a rollback
         # An older generation's steps past what the newer one reached belong to a
@@ -269,10 +284,11 @@ class ClusterView:
             # A new run of the job (its launcher started it again from a checkpoint):
             # its generations count from 0 again and its steps go back, so what the
             # ranks reported before belongs to a timeline that is gone. Kept, its
-            # higher generation would make every step of the new run look late.
+            # higher generation would make every step of the new run look late. (Each
+            # batch names its run too: one that came first has moved its rank on.)
             for state in job.ranks.values():
-                state.reset()
-                state.generation = 0
+                if state.run < status.run:
+                    state.new_run(status.run)
         job.status_ts = status.ts
         job.world_size = status.world_size
         job.generation = status.generation

@@ -8,12 +8,13 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tmd import log
 from tmd.sim import mixes
-from tmd.sim.engine import Settings, Simulation
+from tmd.sim.engine import BASELINES, Settings, Simulation
 from tmd.tools.bench import Progress
 
 
@@ -37,7 +38,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-planned", action="store_true", help="leave planned maintenance out")
     p.add_argument("--slow-machines", action="store_true",
                    help="add machines slow for the whole run (MegaScale's 0.5%%)")  # fmt: skip
+    p.add_argument("--signals", default="",
+                   help="only failures of these kinds, comma-separated: "
+                   f"{', '.join(sorted(mixes.SIGNALS))}")  # fmt: skip
     p.add_argument("--json", action="store_true", help="the JSON object on one line")
+    p.add_argument("--sweep", type=Path, default=None, metavar="PNG",
+                   help="ETTR of every method against cluster size (--sizes) and standby "
+                   "pool (--pools, at --gpus): runs each, draws both into PNG")  # fmt: skip
+    p.add_argument("--sizes", default="1024,4096,16384,65536,131072")
+    p.add_argument("--pools", default="0,1,2,4,8,16,32")
     return p
 
 
@@ -49,6 +58,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         rebalance_min=args.rebalance_min, window=args.window, step_s=args.step_s,
         downtime=args.downtime, failslow=not args.no_failslow, planned=not args.no_planned,
         slow_machines=args.slow_machines,
+        signals=tuple(x for x in args.signals.split(",") if x),
     )  # fmt: skip
 
 
@@ -66,10 +76,68 @@ def run(settings: Settings, progress: Progress | None = None) -> dict[str, Any]:
     return result
 
 
+def sweep(settings: Settings, sizes: list[int], pools: list[int], png: Path,
+          progress: Progress) -> dict[str, Any]:  # fmt: skip
+    """Every method's ETTR against cluster size, then against the standby pool."""
+    out: dict[str, Any] = {"days": settings.days, "seed": settings.seed, "mix": settings.mix,
+                           "sizes": [], "pools": [], "png": str(png)}  # fmt: skip
+    t0 = time.monotonic()
+    for gpus in sizes:
+        progress.say(f"size {gpus} GPUs")
+        r = Simulation(replace(settings, gpus=gpus)).run()
+        out["sizes"].append({"gpus": gpus, **{k: v for k, v in r.items() if k.startswith("ettr")}})
+    for pool in pools:
+        progress.say(f"pool {pool} at {settings.gpus} GPUs")
+        r = Simulation(replace(settings, pool=pool)).run()
+        out["pools"].append({"pool": pool, "pool_exhausted": r["pool_exhausted"],
+                             **{k: v for k, v in r.items() if k.startswith("ettr")}})  # fmt: skip
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    out["load"] = os.getloadavg()[0]
+    draw(out, settings, png)
+    return out
+
+
+def draw(out: dict[str, Any], settings: Settings, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["ettr", *[f"ettr_{m}" for m in BASELINES]]
+    names = {"ettr": "tmd (live migration, failover, rebalance)"}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key in keys:
+        label = names.get(key, key.removeprefix("ettr_").replace("_", " "))
+        a.plot([r["gpus"] for r in out["sizes"]], [r[key] for r in out["sizes"]], "o-",
+               label=label)  # fmt: skip
+        b.plot([r["pool"] for r in out["pools"]], [r[key] for r in out["pools"]], "o-",
+               label=label)  # fmt: skip
+    a.set_xscale("log", base=2)
+    a.set_xlabel("GPUs in the job")
+    b.set_xlabel(f"standby machines ({settings.gpus} GPUs)")
+    for ax in (a, b):
+        ax.set_ylabel("ETTR")
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(f"tmd sim: {settings.mix} failures, {settings.days:g} days, seed {settings.seed}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = settings_from(args)
-    log.setup(level="warning")  # the daemon's parts log every decision at info
+    if args.sweep is not None:
+        log.setup(level="error")
+        sizes = [int(x) for x in args.sizes.split(",") if x]
+        pools = [int(x) for x in args.pools.split(",") if x]
+        result = sweep(settings, sizes, pools, args.sweep, Progress())
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    # The daemon's parts log every decision at info, an aborted migration at warning:
+    # the JSON tells what happened; errors still show.
+    log.setup(level="error")
     try:
         result = run(settings, Progress())
     except (ValueError, OSError) as exc:

@@ -16,14 +16,17 @@ full scale (``tmd.sim.cost``), not the daemon's business.
 
 The daemon sees the job through a window. A status of 16,384 ranks per change and
 an ack per rank per phase would make the simulation, not the daemon, the cost of a
-run, so the job the daemon sees is ``window`` machines (by default 32) of the real
-size, and every failure of the whole job is shown to it on one of them (the failure's
-machine index modulo the window). A machine that leaves is replaced by the standby
-that took its place, so what the guardrails count per machine is kept. Step timings
-are sent only while a machine is slow, for its ranks and ``peers`` healthy machines'
-(the straggler detector compares a machine with its peers; a clean job is silent,
-``tmd bench detect`` measures that). A simulation event delivers the heartbeats a
-quiet span would have carried: the detectors' state depends on the last one only.
+run, so the job the daemon sees is ``window`` machines (by default 8) of the real size,
+and every failure of the whole job is shown to it on one of them (the failure's
+machine index modulo the window, or another when that one is shown slow). A machine
+that leaves is replaced by the standby that took its place, so what the guardrails
+count per machine is kept. Slow machines are shown at most ``window // 4`` at a time,
+each on a window machine of its own, so their peers' median stays healthy; the others
+wait for a free one, and slow the job meanwhile all the same. Step timings of every
+window rank are sent while any shown machine is slow, in chunks of ``CHUNK_STEPS``
+steps once they have run (the straggler detector compares a machine with its peers; a
+clean job sends none, and ``tmd bench detect`` measures that the detector is silent
+on one). No heartbeats are sent: machines are lost by their agent's Last Will.
 
 How each failure ends, for tmd (``Signal``):
 
@@ -78,6 +81,12 @@ EPOCH = 1_900_000_000.0  # simulated time 0, as wall-clock seconds
 CHUNK_STEPS = 40  # steps of timings per delivery while a machine is slow
 PREPARE_S = 10.0  # Prepare to every member prepared: group build with the standby warm
 MAINTENANCE_GRACE_S = 3600.0  # a held drain: maintenance takes the machine after this
+# How soon the job's own processes notice a dead machine and fail over: a killed
+# process (a fatal XID) breaks its peers' connections at once (torchrun's monitor
+# interval, ``cost.TORCHRUN_MONITOR_S``); a host that drops off the network sends no
+# reset, and its peers' collective fails at the runtime's ``group_timeout``
+# (``tmd.runtime.session_config.SessionConfig``, 60 s by default).
+RUNTIME_DETECT_S = {"xid": cost.TORCHRUN_MONITOR_S, "node_lost": 60.0}
 # ByteRobust saves every step asynchronously; its save blocks training for 0.04 s
 # (Wan et al., "Robust LLM Training Infrastructure at ByteDance", arXiv 2509.16293,
 # Table 8, 70B on 2,048 GPUs; a verbatim quote checked by others, [Q] in
@@ -108,6 +117,7 @@ class Settings:
     # MegaScale's 0.5% of machines slow for good: found by pre-flight checks that any
     # method can run before a job starts, so left out unless asked for.
     slow_machines: bool = False
+    signals: tuple[str, ...] = ()  # only failures of these signals (empty: all)
     step_s: float | None = None  # None: the cost model's
     downtime: Path | None = None  # a `tmd bench downtime --json` output to fit
 
@@ -186,6 +196,11 @@ class Simulation:
                                      planned=settings.planned)  # fmt: skip
         if not settings.slow_machines:
             self.failures = [f for f in self.failures if f.cause != mixes.SLOW_MACHINE_CAUSE]
+        if settings.signals:
+            unknown = set(settings.signals) - mixes.SIGNALS
+            if unknown:
+                raise ValueError(f"unknown signals {sorted(unknown)}: of {sorted(mixes.SIGNALS)}")
+            self.failures = [f for f in self.failures if f.signal in settings.signals]
         self.end = settings.days * mixes.SECONDS_PER_DAY
         self.checkpoint_s = self.checkpoint_interval("tmd")
         # Common random numbers: where each failure falls in its checkpoint interval
@@ -205,6 +220,8 @@ class Simulation:
         self._slow_mark = 0.0
         self._telemetry_on = False
         self._timing_model: Any = None
+        self._next_tick = 0.0  # the actuator's next timeout check, while flights last
+        self._down_until = 0.0  # a restart's end: no step timings until then
         self._front = 0  # the last step sent
         self.tally = Tally()
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
@@ -311,7 +328,9 @@ class Simulation:
         heapq.heappush(self._queue, (t, self._seq, action))
 
     def _ready(self) -> list[Standby]:
-        return [s for s in self.pool if s.ready_at <= self.clock.t]
+        """Ready standbys that no migration in flight has named as its joiner."""
+        taken = {p.joiner for p in self._flights.values()}
+        return [s for s in self.pool if s.ready_at <= self.clock.t and s.node not in taken]
 
     def _status(self, state: Literal["running", "restarting"] = "running") -> None:
         members = [wire.Member(slot * self.k + r, node, r)
@@ -347,19 +366,28 @@ class Simulation:
         lost += c.checkpoint_blocking_s if running else self.since_checkpoint[index]
         self.tally.lost_s[cause] += lost
         self.tally.restarts += 1
+        self._flights.clear()  # a new run: what was being prepared is gone with the old
         self._status("restarting")
         if without is not None:
             self._next_name += 1
             self.nodes[without] = f"node-r{self._next_name:05d}"
         self.job_run += 1
         self.generation = 0
-        self._at(self.clock.t + lost, self._status)
+        self._down_until = self.clock.t + lost
+        self._at(self._down_until, self._status)
 
     def _command(self, command: wire.Message) -> None:
         t = self.clock.t
         if isinstance(command, wire.Prepare):
-            if command.leaver in self.dead or command.leaver not in self.nodes:
+            if command.leaver in self.dead:
                 return  # its processes are gone: the runtime's own failover answers
+            if command.migration_id in self._flights:
+                return  # a resend: the first is being answered
+            joiner_free = any(s.node == command.joiner for s in self._ready())
+            if command.leaver not in self.nodes or not joiner_free:
+                # The runtime refuses at once what names no member or no ready standby.
+                self._at(t, lambda: self._refuse(command))
+                return
             self._flights[command.migration_id] = command
             self._at(t + PREPARE_S, lambda: self._acks(command, "prepared"))
         elif isinstance(command, wire.Switch):
@@ -376,12 +404,18 @@ class Simulation:
                            kind="restarting", node=self.nodes[0], rank=0, local_rank=0)  # fmt: skip
             self._at(t, lambda: self._send(wire.job_topic(JOB, "ack"), ack))
 
+    def _refuse(self, prepare: wire.Prepare) -> None:
+        ack = wire.Ack(ts=self.clock.now(), job=JOB, migration_id=prepare.migration_id,
+                       kind="failed", node=self.nodes[0], rank=0, local_rank=0,
+                       detail=f"cannot move {prepare.leaver} to {prepare.joiner}")  # fmt: skip
+        self._send(wire.job_topic(JOB, "ack"), ack)
+
     def _acks(self, prepare: wire.Prepare, kind: str) -> None:
         if prepare.migration_id not in self._flights and kind != "aborted":
             return
-        if prepare.leaver not in self.nodes or not any(
-            s.node == prepare.joiner for s in self._ready()
-        ):
+        t = self.clock.t
+        joiner_ready = any(s.node == prepare.joiner and s.ready_at <= t for s in self.pool)
+        if kind == "prepared" and (prepare.leaver not in self.nodes or not joiner_ready):
             kind = "failed"
         now = self.clock.now()
         for node in [*self.nodes, prepare.joiner]:
@@ -410,11 +444,15 @@ class Simulation:
         now = self.clock.now()
         downtime = wire.Downtime(total_s=self.costs.live_migration_s)
         self._status()
-        for r in range(self.k):
-            ack = wire.Ack(ts=now, job=JOB, migration_id=prepare.migration_id, kind="switched",
-                           node=prepare.joiner, local_rank=r, generation=self.generation,
-                           downtime=downtime)  # fmt: skip
-            self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
+        # Every process answers, as the runtime's do: the stayers and the joiner in the
+        # new generation, the leaver's as it leaves.
+        for node in [*self.nodes, prepare.leaver]:
+            for r in range(self.k):
+                ack = wire.Ack(ts=now, job=JOB, migration_id=prepare.migration_id,
+                               kind="switched", node=node, local_rank=r,
+                               generation=self.generation, downtime=downtime,
+                               detail="left" if node == prepare.leaver else "")  # fmt: skip
+                self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
         self._dispatch()
         # A slow machine moved away: its slowdown no longer holds the job back.
         for slow in list(self.slow.values()):
@@ -423,8 +461,19 @@ class Simulation:
 
     # -- failures ----------------------------------------------------------------------
 
-    def _failure(self, index: int, f: mixes.Failure) -> None:
+    def _slot_for(self, f: mixes.Failure) -> int:
+        """The window machine that shows ``f``: its own index modulo the window, or,
+        when that one is shown slow (an unrelated machine's failure must not end its
+        slowdown), the first that is neither slow nor dead."""
         slot = f.machine % self.window
+        if slot not in self.slow:
+            return slot
+        calm = [i for i in range(self.window) if i not in self.slow
+                and self.nodes[i] not in self.dead]  # fmt: skip
+        return calm[0] if calm else slot
+
+    def _failure(self, index: int, f: mixes.Failure) -> None:
+        slot = self._slot_for(f)
         node = self.nodes[slot]
         t = self.clock.t
         if f.signal in ("xid", "node_lost"):
@@ -437,26 +486,34 @@ class Simulation:
                 will = wire.NodeStatus(ts=self.clock.now(), node=node, state="offline")
                 detect = self.costs.detect_lost_s
                 self._at(t + detect, lambda: self._send(wire.node_topic(node, "status"), will))
+            noticed = RUNTIME_DETECT_S[f.signal]
             ready = self._ready()
             if ready:
                 joiner = ready[0]
                 self.pool.remove(joiner)
-                self.tally.lost_s[f.cause] += (
-                    self.costs.machine_failover_s + 0.5 * self.costs.step_s
-                )
+                c = self.costs
+                self.tally.lost_s[f.cause] += noticed + c.machine_failover_s + 0.5 * c.step_s
                 self.tally.failovers += 1
 
                 def failover() -> None:
+                    # The runtime's failover ends any migration being prepared (its
+                    # joiner leaves it when the job's generation reports the failure).
+                    self._flights.clear()
                     self._replace(slot, joiner.node)
                     self.dead.discard(node)
                     self._status()
                     self._refill()
 
-                self._at(t + self.costs.machine_failover_s, failover)
+                self._at(t + noticed + self.costs.machine_failover_s, failover)
             else:
                 self.tally.pool_exhausted += 1
-                self._at(t, lambda: self._restart(f.cause, index, running=False, without=slot))
-                self._at(t, lambda: self.dead.discard(node))
+                self.tally.lost_s[f.cause] += noticed
+
+                def restart() -> None:
+                    self.dead.discard(node)
+                    self._restart(f.cause, index, running=False, without=slot)
+
+                self._at(t + noticed, restart)
         elif f.signal == "planned":
             now = self.clock.now()
             drain = events.DrainRequested(ts=now, node=node, requested_by="maintenance")
@@ -505,6 +562,8 @@ class Simulation:
         self.slow[slow.slot] = slow
         self.tally.stragglers["shown"] += 1
         if not self._telemetry_on:
+            # At once: the steps before the onset, which the detector saw in a real job
+            # (they are not slow); the next chunk, once its steps have run, is.
             self._telemetry_on = True
             self._timings()
 
@@ -535,23 +594,29 @@ class Simulation:
         if not self.slow:
             self._telemetry_on = False
             return
+        if t < self._down_until:  # the job is restarting: no steps to report
+            self._at(self._down_until, self._timings)
+            return
         n = self.window * self.k
         if self._timing_model is None:
             from tmd.sim.timings import Timings  # numpy: the `sim` extra
 
             shape = traces.JobShape(ranks=n, ranks_per_node=self.k, step_s=self.costs.step_s)
             self._timing_model = Timings(shape, f"tmd.sim/{self.s.seed}/timings")
-        slowed = {rank: x.slowdown for x in self.slow.values()
-                  for rank in range(x.slot * self.k, (x.slot + 1) * self.k)}  # fmt: skip
         step_s = self.costs.step_s * (1 + self._slowdown())
         first = max(self._front + 1, int(t / self.costs.step_s))
         self._front = first + CHUNK_STEPS - 1
-        # The steps that just ended: a batch reports what happened.
+        # The steps that just ended: a batch reports what happened, and a machine is
+        # slow only in the steps after its slowdown began.
         t0 = self.clock.now() - CHUNK_STEPS * step_s
+        slowed = {rank: (x.slowdown, math.ceil((x.start - (t - CHUNK_STEPS * step_s)) / step_s))
+                  for x in self.slow.values()
+                  for rank in range(x.slot * self.k, (x.slot + 1) * self.k)}  # fmt: skip
         per_rank = self._timing_model.chunk(CHUNK_STEPS, first=first, t0=t0, slow=slowed)
         now = self.clock.now()
         for rank in range(n):
-            batch = wire.IterBatch(ts=now, job=JOB, rank=rank, node=self.nodes[rank // self.k],
+            batch = wire.IterBatch(ts=now, job=JOB, rank=rank, run=self.job_run,
+                                   node=self.nodes[rank // self.k],
                                    generation=self.generation, steps=per_rank[rank])  # fmt: skip
             self.ingest.handle(wire.iter_topic(JOB, rank), wire.encode(batch))
         self._dispatch()
@@ -615,8 +680,9 @@ class Simulation:
                 break
             self.clock.t = t
             action()
-            if self.actuator.flights:
-                self._at(t + self.config.actuator.resend_s, self._tick)
+            if self.actuator.flights and self._next_tick <= t:
+                self._next_tick = t + self.config.actuator.resend_s
+                self._at(self._next_tick, self._tick)
             if int(t // mixes.SECONDS_PER_DAY) > day:
                 day = int(t // mixes.SECONDS_PER_DAY)
                 progress(day)

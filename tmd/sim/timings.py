@@ -33,16 +33,17 @@ class Timings:
         self.job = float(self.rng.normal(0, shape.job_sigma))
 
     def chunk(
-        self, steps: int, *, first: int, t0: float, slow: Mapping[int, float]
+        self, steps: int, *, first: int, t0: float, slow: Mapping[int, tuple[float, int]]
     ) -> list[list[wire.StepTiming]]:
         """``steps`` steps from step ``first``, the first ending one step after ``t0``;
-        ``slow``: rank -> its slowdown. Returns ``[rank][step]``."""
+        ``slow``: rank -> (its slowdown, the first of these steps it holds for, counted
+        from 0). Returns ``[rank][step]``."""
         s, rng, n = self.shape, self.rng, self.shape.ranks
         kick = s.sigma * math.sqrt(1 - s.rho**2)
         job_kick = s.job_sigma * math.sqrt(1 - s.job_rho**2)
-        factor = np.ones(n)
-        for rank, slowdown in slow.items():
-            factor[rank] = 1 + slowdown
+        factor = np.ones((steps, n))
+        for rank, (slowdown, since) in slow.items():
+            factor[max(0, since) :, rank] = 1 + slowdown
         busy = np.empty((steps, n))
         base = s.step_s * s.busy_fraction
         for i in range(steps):

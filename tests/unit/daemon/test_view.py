@@ -157,6 +157,28 @@ def test_a_new_run_counts_its_generations_from_zero_and_its_steps_land() -> None
     assert rank.recent("compute_s") == pytest.approx([0.9] * 8)
 
 
+def test_a_late_batch_of_the_old_run_neither_counts_nor_blinds_the_new_one() -> None:
+    """The broker may deliver a batch queued before the restart after the new run's
+    status (across topics MQTT keeps no order): it names its run, and is late."""
+    view = ClusterView(window_steps=8)
+
+    def iters(run: int | None, generation: int, steps: range) -> wire.IterBatch:
+        return wire.IterBatch(ts=TS, job="j", rank=0, node="n0", generation=generation,
+                              run=run, steps=[wire.StepTiming(s, TS + s, 1.0, 0.5, 0.4, 0.05,
+                                                              0.05) for s in steps])  # fmt: skip
+
+    view.apply_iter(iters(0, 3, range(1, 101)), TS)
+    view.apply_job_status(wire.JobStatus(ts=TS, job="j", generation=0, world_size=1,
+                                         members=[wire.Member(0, "n0", 0)], run=1), TS)  # fmt: skip
+    late = view.apply_iter(iters(0, 3, range(101, 111)), TS)
+    assert (late.accepted, late.late) == (0, 10)
+    resumed = view.apply_iter(iters(1, 0, range(60, 200)), TS)
+    assert (resumed.accepted, resumed.late, resumed.duplicate) == (140, 0, 0)
+    # A batch of the new run that comes before its status moves the rank on by itself.
+    early = view.apply_iter(iters(2, 0, range(10, 20)), TS)
+    assert early.accepted == 10 and view.jobs["j"].ranks[0].run == 2
+
+
 def test_a_rejected_batch_takes_no_job_slot() -> None:
     view = ClusterView(max_jobs=1, max_ranks_per_job=4)
     with pytest.raises(ProtocolError):

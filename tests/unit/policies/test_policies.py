@@ -358,6 +358,21 @@ def test_rebalance_weighs_saving_against_measured_downtime() -> None:
     assert decided(p.tick(T0)) == [("Migrate", "a", "n0")]
 
 
+def test_rebalance_tries_again_after_an_aborted_migration_and_not_after_a_done_one() -> None:
+    p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(view()))
+    list(p.observe(straggler("n0", 0.3), T0))
+    assert decided(p.tick(T0)) == [("Migrate", "a", "n0")]
+
+    def finished(outcome: str) -> events.MigrationFinished:
+        return events.MigrationFinished(ts=T0, migration_id="m", job="a", node="n0", to="s0",
+                                        outcome=outcome, downtime_s=None)  # fmt: skip
+
+    list(p.observe(finished("aborted"), T0))  # still in the job, still slow
+    assert decided(p.tick(T0 + 600)) == [("Migrate", "a", "n0")]
+    list(p.observe(finished("done"), T0))  # gone
+    assert list(p.tick(T0 + 1200)) == []
+
+
 def test_rebalance_holds_without_a_ready_standby() -> None:
     p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(view({})))
     list(p.observe(straggler("n0", 0.3), T0))
