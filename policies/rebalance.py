@@ -82,6 +82,12 @@ class RebalancePolicy(Policy):
         return base * self.config.safety_factor
 
     def tick(self, now: float) -> Iterable[events.Event]:
+        # A machine that left its job another way (the runtime's failover replaced it,
+        # the job restarted without it) is no straggler of that job any more.
+        jobs = self.context.view.jobs
+        for job, node in [k for k in self._stragglers
+                          if k[0] in jobs and k[1] not in jobs[k[0]].members.values()]:  # fmt: skip
+            del self._stragglers[(job, node)]
         by_job: dict[str, list[tuple[str, _Straggler]]] = {}
         for (job, node), s in self._stragglers.items():
             by_job.setdefault(job, []).append((node, s))

@@ -373,6 +373,17 @@ def test_rebalance_tries_again_after_an_aborted_migration_and_not_after_a_done_o
     assert list(p.tick(T0 + 1200)) == []
 
 
+def test_rebalance_forgets_a_straggler_that_left_its_job_another_way() -> None:
+    """Its migration aborted, then the runtime replaced it: not moved again."""
+    v = view()
+    p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(v))
+    list(p.observe(straggler("n1", 0.3), T0))
+    v.apply_job_status(wire.JobStatus(ts=T0, job="a", generation=1, world_size=3,
+                                      members=[wire.Member(r, n) for r, n in
+                                               enumerate(["n0", "s0", "n2"])]), T0)  # fmt: skip
+    assert list(p.tick(T0)) == []
+
+
 def test_rebalance_holds_without_a_ready_standby() -> None:
     p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(view({})))
     list(p.observe(straggler("n0", 0.3), T0))
