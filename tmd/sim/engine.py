@@ -551,6 +551,7 @@ class Simulation:
         a real job's thousands of machines; the rest wait for a free one (and slow the
         job meanwhile all the same)."""
         self._account_slow()
+        self._at(slow.end, lambda: self._end_slow(slow))  # charged to its end, not beyond
         busy = set(self.slow) | {i for i, n in enumerate(self.nodes) if n in self.dead}
         free = [i for i in range(self.window) if i not in busy]
         if len(self.slow) >= max(1, self.window // 4) or not free:

@@ -292,7 +292,7 @@ def test_warm_standby_restart_is_byterobusts_fraction_of_a_requeue() -> None:
     r = price("warm_standby_restart", "xid")
     requeue = c.requeue_s + c.restart_init_s + c.checkpoint_load_s
     assert r.downtime_s == pytest.approx(requeue / 10.87)
-    assert (r.lost_work_s, r.uses_standby) == (c.step_s, True)
+    assert (r.lost_work_s, r.uses_standby) == (0.5 * c.step_s, True)
     assert price("warm_standby_restart", "xid", standby_ready=False) == price(
         "checkpoint_restart", "xid"
     )
@@ -301,7 +301,11 @@ def test_warm_standby_restart_is_byterobusts_fraction_of_a_requeue() -> None:
 def test_torchft_drops_a_group_and_runs_degraded_while_it_heals() -> None:
     c = at(8192)
     r = price("torchft_style", "xid", replica_groups=10)
-    assert (r.downtime_s, r.lost_work_s, r.degraded_fraction) == (c.torchft_heal_s, c.step_s, 0.1)
+    assert (r.downtime_s, r.lost_work_s, r.degraded_fraction) == (
+        c.torchft_heal_s,
+        0.5 * c.step_s,
+        0.1,
+    )
     assert r.degraded_s == c.restart_init_s
     slow = price("torchft_style", "xid", standby_ready=False)
     assert slow.degraded_s == c.restart_init_s + c.requeue_s
