@@ -157,13 +157,14 @@ class Standby:
 
 @dataclass
 class Slow:
+    """A slow machine: shown on window machine ``slot`` (its own index in the job until
+    it is shown), as ``node``, from ``start`` to ``end``."""
+
     slot: int
     node: str
     slowdown: float
     start: float
     end: float
-    seed: int
-    step: int = 0  # steps of timings sent so far
     found_at: float | None = None
 
 
@@ -527,7 +528,7 @@ class Simulation:
 
             self._at(t + MAINTENANCE_GRACE_S, maintenance)
         elif f.signal == "straggler":
-            self._start_slow(Slow(f.machine, "", f.slowdown, t, t + f.duration_s, seed=index))
+            self._start_slow(Slow(f.machine, "", f.slowdown, t, t + f.duration_s))
         else:  # hang, crash: no machine to blame
             detect = self.costs.detect_hang_s if f.signal == "hang" else self.costs.detect_crash_s
             self.tally.lost_s[f.cause] += detect
