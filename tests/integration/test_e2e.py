@@ -2,12 +2,13 @@
 three-rank gloo job with one standby, over real MQTT and HTTP.
 
 (a) a slow machine is found and rebalanced at the next tick; (b) a killed rank fails
-over; (c) an Alertmanager webhook triggers a failover; (d) dry-run migrates nothing;
-and on machines of two ranks each, (e) ``tmd agent`` on the fake NVML of machine
-``worker1`` reports a fatal XID on GPU 1 and the whole machine moves. Every job ends
-with the parameters of an unmigrated reference run. Tested elsewhere, once: the
-daemon SIGKILLed mid-migration (``test_faults.py``), and a DCGM-exporter alert's
-labels (``instance``, ``Hostname``: ``tests/unit/policies``; the webhook path is (c)).
+over; (c) an alert labelled as dcgm-exporter's scrape labels it (``instance``,
+``Hostname``, ``job="dcgm-exporter"``) comes through the real Alertmanager webhook and
+the named machine moves; (d) dry-run migrates nothing; and on machines of two ranks
+each, (e) ``tmd agent`` on the fake NVML of machine ``worker1`` reports a fatal XID on
+GPU 1 and the whole machine moves. Every job ends with the parameters of an unmigrated
+reference run. Tested elsewhere, once: the daemon SIGKILLed mid-migration
+(``test_faults.py``).
 """
 
 from __future__ import annotations
@@ -256,14 +257,26 @@ def assert_plausible_downtime(done: dict[str, Any], *, step_s: float, upper_s: f
 
 
 def alert(node: str, job: str, fingerprint: str = "f1") -> dict[str, Any]:
+    return webhook({"alertname": "GpuXidFatal", "node": node, "tmd_job": job}, fingerprint)
+
+
+def webhook(labels: dict[str, str], fingerprint: str = "f1") -> dict[str, Any]:
     return {
         "version": "4", "receiver": "tmd", "status": "firing",
         "alerts": [{
             "status": "firing", "fingerprint": fingerprint,
-            "startsAt": "2026-11-30T05:00:00Z",
-            "labels": {"alertname": "GpuXidFatal", "node": node, "tmd_job": job},
+            "startsAt": "2026-11-30T05:00:00Z", "labels": labels,
         }],
     }  # fmt: skip
+
+
+DCGM_ALERT = {
+    "alertname": "DCGMXidFatal", "instance": "worker1:9400", "Hostname": "worker1",
+    "job": "dcgm-exporter", "gpu": "0", "UUID": "GPU-8f1c", "xid": "79",
+}  # fmt: skip
+"""An alert as dcgm-exporter's scrape labels it: the host in `Hostname` and `instance`,
+Prometheus's scrape job in `job`, no label of ours; the training job comes from the
+membership of the named host."""
 
 
 MACHINES = [("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)]
@@ -350,12 +363,14 @@ def test_a_killed_rank_fails_over(stack: Stack, reference: Path) -> None:
     ]
 
 
-def test_an_alertmanager_webhook_triggers_failover(stack: Stack, reference: Path) -> None:
+def test_a_dcgm_alert_through_the_webhook_moves_the_named_machine(
+    stack: Stack, reference: Path
+) -> None:
     daemon = stack.start_daemon()
     stack.start_job()
     stack.standby_ready()
-    assert daemon.post("/api/v1/alerts", alert("worker1:9100", stack.name)) == 202
-    assert daemon.post("/api/v1/alerts", alert("worker1:9100", stack.name)) == 202  # resent
+    assert daemon.post("/api/v1/alerts", webhook(DCGM_ALERT)) == 202
+    assert daemon.post("/api/v1/alerts", webhook(DCGM_ALERT)) == 202  # resent
     [done] = wait_for(lambda: finished(daemon), "the failover to finish", 90)
     assert (done["node"], done["to"], done["outcome"]) == ("worker1", "standby0", "done")
     assert_plausible_downtime(done, step_s=STEP_S, upper_s=20 * STEP_S)
