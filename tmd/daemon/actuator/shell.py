@@ -26,7 +26,14 @@ from tmd.clock import Clock
 from tmd.config import ActuatorConfig, GuardrailsConfig
 from tmd.daemon import events
 from tmd.daemon.actuator import guardrails, membership, restart, resume, standby
-from tmd.daemon.actuator.flight import Flight, Next, Outcome, PhaseMachine, machine_slots
+from tmd.daemon.actuator.flight import (
+    REPLACED_BY_RUNTIME,
+    Flight,
+    Next,
+    Outcome,
+    PhaseMachine,
+    machine_slots,
+)
 from tmd.daemon.actuator.ledger import SOURCE, Emit, Ledger
 from tmd.daemon.bus import Bus
 from tmd.daemon.journal import Journal
@@ -239,6 +246,8 @@ class Actuator:
                 self._apply(flight, self.machine.on_ack(flight, ack, now), now)
             if runtime:
                 return []
+            if self._replaced_ours(ack, now):
+                return []
             if ack.job not in self.view.jobs:
                 # No status of the job, so no failover of it to wait for: an answer for
                 # another head's job, or made up, and not kept.
@@ -260,6 +269,25 @@ class Actuator:
             self._ignore("ack_not_a_participant", f"{ack.node} answered {flight.id}")
             return []
         return self._apply(flight, self.machine.on_ack(flight, ack, now), now)
+
+    def _replaced_ours(self, ack: wire.Ack, now: float) -> bool:
+        """The runtime's failover of generation ``g`` (its ``switched`` answer for
+        ``failover-g{g}``) put in a machine's place the joiner one of our migrations of
+        that generation named: a failover policy's migration of a machine whose
+        processes died, and which the runtime replaced first with the same ready
+        standby. The job's status already showed the switch (``switched_by_status``);
+        the stayers will never answer our migration id, so the runtime's one answer,
+        with its downtime, ends it now rather than at ``switch_timeout_s``."""
+        if ack.kind != "switched" or not ack.migration_id.startswith("failover-g"):
+            return False
+        ours = [
+            f for f in self.ledger.of_job(ack.job)
+            if f.switched_by_status and f"failover-g{f.generation}" == ack.migration_id
+        ]  # fmt: skip
+        for flight in ours:
+            flight.keep(ack)
+            self._apply(flight, Next("done", REPLACED_BY_RUNTIME), now)
+        return bool(ours)
 
     def _defer(self, decision: events.Migrate | events.CheckpointRestart, now: float) -> None:
         """Keep ``decision`` (the latest per job and machine) until the view is trusted;
@@ -310,6 +338,9 @@ class Actuator:
         for flight in ours:
             step = self.machine.on_status(flight, status.generation, nodes, state=status.state)
             self._apply(flight, step, now)
+            early = self.failover_acks.claim(status.job, f"failover-g{flight.generation}")
+            if early is not None and flight.id in self.flights:
+                self._replaced_ours(early, now)
         for job, node in [k for k in self.ledger.restarts_asked if k[0] == status.job]:
             if node not in nodes:  # it left: a later run that has it again may be asked
                 del self.ledger.restarts_asked[(job, node)]

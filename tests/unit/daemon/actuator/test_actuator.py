@@ -333,6 +333,30 @@ def test_a_runtime_failover_whose_ack_came_first_or_never(h: Harness) -> None:
     assert [(e.node, e.downtime_s) for e in h.finished()] == [("w1", 0.9), ("w2", None)]
 
 
+@pytest.mark.parametrize("ack_first", [False, True])
+def test_our_migration_of_a_machine_the_runtime_replaced_ends_on_the_runtime_s_answer(
+    h: Harness, ack_first: bool
+) -> None:
+    # The failover policy asked to move w2, whose processes had died; the runtime's own
+    # failover put the same ready standby in its place first. The stayers never answer
+    # our migration id, so the runtime's one answer ends it, not the switch timeout.
+    mid = start(h)
+    replaced = status(1, ["w0", "w1", "s0"], standbys={})
+    runtime = ack("failover-g0", "switched", "w0", 0.8)
+    if ack_first:
+        h.feed(runtime, now=T0 + 2)
+        h.status(replaced, T0 + 3)
+    else:
+        h.status(replaced, T0 + 3)
+        assert h.finished() == []
+        h.feed(runtime, now=T0 + 4)
+    [end] = h.finished()
+    assert (end.migration_id, end.outcome, end.node, end.to) == (mid, "done", "w2", "s0")
+    assert end.downtime_s == 0.8
+    assert h.journal.migration(mid).state == "done"  # type: ignore[union-attr]
+    assert h.actuator.guard_state.in_flight == {}
+
+
 def test_a_runtime_failover_pending_its_ack_survives_a_restart(h: Harness) -> None:
     h.status(status())
     h.status(status(1, ["w0", "s0", "w2"], standbys={}), T0 + 3)
