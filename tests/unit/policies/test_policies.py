@@ -156,6 +156,56 @@ def test_drain_and_migrate_requests() -> None:
     ]
 
 
+def test_a_drain_not_carried_out_is_decided_again_with_a_growing_wait_until_done() -> None:
+    v = view()
+    p = drain_policy(v, {"retry_s": 10, "retry_max_s": 25})
+    assert decided(p.observe(events.DrainRequested(ts=T0, node="n1", requested_by="bob"), T0)) == [
+        ("Migrate", "a", "n1")
+    ]
+    assert list(p.tick(T0 + 100)) == []  # the decision is out: nothing to do again
+    held = events.Hold(ts=T0, policy="actuator", job="a", node="n1", held="drain",
+                       reason="a migration of a is in flight")  # fmt: skip
+    p.observe(held, T0 + 1)
+    p.observe(held, T0 + 2)  # a second word on the same decision: still one wait
+    assert list(p.tick(T0 + 10)) == []
+    [again] = p.tick(T0 + 11)
+    assert decided([again]) == [("Migrate", "a", "n1")]
+    assert again.reason == (  # type: ignore[attr-defined]
+        "operator drain by bob, again (the last: a migration of a is in flight)"
+    )
+    p.observe(events.MigrationFinished(ts=T0, migration_id="m", job="a", node="n1", to="s0",
+                                       outcome="aborted"), T0 + 20)  # fmt: skip
+    assert list(p.tick(T0 + 39)) == []  # 20 s this time
+    assert decided(p.tick(T0 + 40)) == [("Migrate", "a", "n1")]
+    p.observe(held, T0 + 50)
+    assert list(p.tick(T0 + 74)) == [] and len(list(p.tick(T0 + 75))) == 1  # capped at 25 s
+    p.observe(events.MigrationFinished(ts=T0, migration_id="m", job="a", node="n1", to="s0",
+                                       outcome="done"), T0 + 80)  # fmt: skip
+    p.observe(held, T0 + 81)  # a late word about a drain that is over
+    assert list(p.tick(T0 + 1000)) == []
+
+
+def test_a_drain_is_forgotten_once_the_machine_left_the_job_another_way() -> None:
+    v = view()
+    p = drain_policy(v, {})
+    list(p.observe(events.DrainRequested(ts=T0, node="n2"), T0))  # jobs a and b
+    for job in ("a", "b"):
+        p.observe(events.Hold(ts=T0, policy="actuator", job=job, node="n2", held="drain",
+                              reason="no ready standby"), T0)  # fmt: skip
+    # The runtime replaced n2 in job a; job b still runs on it.
+    v.apply_job_status(wire.JobStatus(ts=T0 + 1, job="a", generation=1, world_size=3,
+                                      members=[wire.Member(r, n) for r, n in
+                                               enumerate(["n0", "n1", "s0"])]), T0 + 1)  # fmt: skip
+    assert decided(p.tick(T0 + 60)) == [("Migrate", "b", "n2")]
+    with pytest.raises(ConfigError, match=r"policies\.drain\.retry_max_s"):
+        drain_policy(v, {"retry_s": 10, "retry_max_s": 5})
+
+
+def drain_policy(v: ClusterView, table: dict[str, Any]) -> DrainPolicy:
+    [spec] = configure("policies", {"drain": table}, {"drain": DrainPolicy})
+    return spec.build(ctx(v))  # type: ignore[return-value]
+
+
 # -- alert ------------------------------------------------------------------------------
 
 
