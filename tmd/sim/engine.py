@@ -73,7 +73,7 @@ from tmd.daemon.journal import Journal
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.plugins import Context, Plugin
 from tmd.daemon.view import ClusterView
-from tmd.sim import cost, mixes
+from tmd.sim import cost, mixes, protocol
 from tmd.tools import traces
 
 JOB = "train"
@@ -334,8 +334,7 @@ class Simulation:
         return [s for s in self.pool if s.ready_at <= self.clock.t and s.node not in taken]
 
     def _status(self, state: Literal["running", "restarting"] = "running") -> None:
-        members = [wire.Member(slot * self.k + r, node, r)
-                   for slot, node in enumerate(self.nodes) for r in range(self.k)]  # fmt: skip
+        members = protocol.members(self.nodes, self.k)
         standbys = [
             wire.StandbyInfo(node=s.node, state="ready" if s.ready_at <= self.clock.t
                              else "warming", slots=self.k)
@@ -405,6 +404,15 @@ class Simulation:
                            kind="restarting", node=self.nodes[0], rank=0, local_rank=0)  # fmt: skip
             self._at(t, lambda: self._send(wire.job_topic(JOB, "ack"), ack))
 
+    def _failover_answer(self, generation: int, *, replaced: bool) -> None:
+        survivors = [n for n in self.nodes if n not in self.dead]
+        for ack in protocol.failover_answer(job=JOB, generation=generation, replaced=replaced,
+                                            survivors=survivors, per_node=self.k,
+                                            ts=self.clock.now(),
+                                            downtime_s=self.costs.machine_failover_s):  # fmt: skip
+            self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
+        self._dispatch()
+
     def _refuse(self, prepare: wire.Prepare) -> None:
         ack = wire.Ack(ts=self.clock.now(), job=JOB, migration_id=prepare.migration_id,
                        kind="failed", node=self.nodes[0], rank=0, local_rank=0,
@@ -418,17 +426,15 @@ class Simulation:
         joiner_ready = any(s.node == prepare.joiner and s.ready_at <= t for s in self.pool)
         if kind == "prepared" and (prepare.leaver not in self.nodes or not joiner_ready):
             kind = "failed"
-        now = self.clock.now()
-        for node in [*self.nodes, prepare.joiner]:
-            if node in self.dead:
-                continue  # its processes are gone: they answer nothing
-            for r in range(self.k):
-                ack = wire.Ack(ts=now, job=JOB, migration_id=prepare.migration_id, kind=kind,  # type: ignore[arg-type]
-                               node=node, local_rank=r, generation=self.generation,
-                               detail="" if kind != "failed" else "gone")  # fmt: skip
-                self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
-            if kind == "failed":
-                break
+        # The dead machine's processes are gone: they answer nothing. A failure is
+        # answered by the first process that finds it.
+        alive = [n for n in [*self.nodes, prepare.joiner] if n not in self.dead]
+        for ack in protocol.acks(job=JOB, migration_id=prepare.migration_id, kind=kind,
+                                 nodes=alive[:1] if kind == "failed" else alive,
+                                 per_node=self.k, generation=self.generation,
+                                 ts=self.clock.now(),
+                                 detail="gone" if kind == "failed" else ""):  # fmt: skip
+            self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
         self._dispatch()
 
     def _switch(self, prepare: wire.Prepare) -> None:
@@ -442,18 +448,13 @@ class Simulation:
         self.tally.live += 1
         self.tally.lost_s["live_migration"] += self.costs.live_migration_s
         self._refill()
-        now = self.clock.now()
-        downtime = wire.Downtime(total_s=self.costs.live_migration_s)
         self._status()
-        # Every process answers, as the runtime's do: the stayers and the joiner in the
-        # new generation, the leaver's as it leaves.
-        for node in [*self.nodes, prepare.leaver]:
-            for r in range(self.k):
-                ack = wire.Ack(ts=now, job=JOB, migration_id=prepare.migration_id,
-                               kind="switched", node=node, local_rank=r,
-                               generation=self.generation, downtime=downtime,
-                               detail="left" if node == prepare.leaver else "")  # fmt: skip
-                self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
+        for ack in protocol.acks(job=JOB, migration_id=prepare.migration_id, kind="switched",
+                                 nodes=[*self.nodes, prepare.leaver], per_node=self.k,
+                                 generation=self.generation, ts=self.clock.now(),
+                                 downtime=wire.Downtime(total_s=self.costs.live_migration_s),
+                                 leaver=prepare.leaver):  # fmt: skip
+            self.ingest.handle(wire.job_topic(JOB, "ack"), wire.encode(ack))
         self._dispatch()
         # A slow machine moved away: its slowdown no longer holds the job back.
         for slow in list(self.slow.values()):
@@ -500,9 +501,11 @@ class Simulation:
                     # The runtime's failover ends any migration being prepared (its
                     # joiner leaves it when the job's generation reports the failure).
                     self._flights.clear()
+                    generation = self.generation
                     self._replace(slot, joiner.node)
                     self.dead.discard(node)
                     self._status()
+                    self._failover_answer(generation, replaced=True)
                     self._refill()
 
                 self._at(t + noticed + self.costs.machine_failover_s, failover)
@@ -511,6 +514,7 @@ class Simulation:
                 self.tally.lost_s[f.cause] += noticed
 
                 def restart() -> None:
+                    self._failover_answer(self.generation, replaced=False)
                     self.dead.discard(node)
                     self._restart(f.cause, index, running=False, without=slot)
 
