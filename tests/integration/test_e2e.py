@@ -4,11 +4,12 @@ three-rank gloo job with one standby, over real MQTT and HTTP.
 (a) a slow machine is found and rebalanced at the next tick; (b) a killed rank fails
 over; (c) an alert labelled as dcgm-exporter's scrape labels it (``instance``,
 ``Hostname``, ``job="dcgm-exporter"``) comes through the real Alertmanager webhook and
-the named machine moves; (d) dry-run migrates nothing; and on machines of two ranks
-each, (e) ``tmd agent`` on the fake NVML of machine ``worker1`` reports a fatal XID on
-GPU 1 and the whole machine moves. Every job ends with the parameters of an unmigrated
-reference run. Tested elsewhere, once: the daemon SIGKILLed mid-migration
-(``test_faults.py``).
+the named machine moves; and on machines of two ranks each, (d) ``tmd agent`` on the
+fake NVML of machine ``worker1`` reports a fatal XID on GPU 1 and the whole machine
+moves. Every job ends with the parameters of an unmigrated reference run. Tested
+elsewhere, once: the daemon SIGKILLed mid-migration (``test_faults.py``); dry run
+(the actuator journals and sends nothing: ``tests/unit/daemon/actuator``); every kind
+of failure against a simulated cluster (``test_sim_live.py``).
 """
 
 from __future__ import annotations
@@ -385,18 +386,3 @@ def test_a_dcgm_alert_through_the_webhook_moves_the_named_machine(
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     assert "MIGRATIONS" in shown and "worker1" in shown and "done" in shown
-
-
-def test_dry_run_migrates_nothing(stack: Stack, reference: Path) -> None:
-    daemon = stack.start_daemon(guardrails={"dry_run": True, "min_standby_pool": 0})
-    job = stack.start_job()
-    stack.standby_ready()
-    assert daemon.post("/api/v1/alerts", alert("worker1", stack.name)) == 202
-    holds = wait_for(lambda: daemon.events("Hold"), "the dry-run hold", 30)
-    assert "dry run" in holds[0]["body"]["reason"]
-    assert "would migrate worker1 to standby0" in holds[0]["body"]["reason"]
-    codes = stack.finish(reference)
-    assert set(codes.values()) == {0}
-    assert daemon.states() == [] and finished(daemon) == []
-    status = job.status()
-    assert status is not None and status.generation == 0

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tmd import log
-from tmd.sim import mixes
+from tmd.sim import live, mixes
 from tmd.sim.engine import BASELINES, Settings, Simulation
+from tmd.sim.live import LiveSettings
 from tmd.tools.bench import Progress
 
 
@@ -26,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     mix_help = f"failure mix: {', '.join(mixes.MIXES)} or a TOML file (%(default)s)"
     p.add_argument("--mix", default=d.mix, help=mix_help)
-    p.add_argument("--pool", type=int, default=d.pool, help="standby machines (%(default)s)")
+    pools = f"standby machines ({d.pool}; --live: {LiveSettings.standbys})"
+    p.add_argument("--pool", type=int, default=None, help=pools)
     p.add_argument("--rebalance-min", type=float, default=d.rebalance_min,
                    help="the rebalance policy's interval (%(default)s)")  # fmt: skip
     p.add_argument("--window", type=int, default=d.window,
@@ -47,14 +49,42 @@ def parser() -> argparse.ArgumentParser:
                    "pool (--pools, at --gpus): runs each, draws both into PNG")  # fmt: skip
     p.add_argument("--sizes", default="1024,4096,16384,65536,131072")
     p.add_argument("--pools", default="0,1,2,4,8,16,32")
+    live = p.add_argument_group(
+        "--live", "the daemon itself (`tmd run`) in real time against simulated machines "
+        "over a real broker (tmd.sim.live); --seed, --mix, --pool, --signals and --step-s "
+        "apply (--step-s default 0.1)",
+    )  # fmt: skip
+    ld = LiveSettings()
+    live.add_argument("--live", action="store_true")
+    live.add_argument("--seconds", type=float, default=ld.seconds, help="(%(default)s)")
+    live.add_argument("--machines", type=int, default=ld.machines, help="(%(default)s)")
+    live.add_argument("--per-node", type=int, default=ld.per_node, help="ranks (%(default)s)")
+    live.add_argument("--failures", type=int, default=ld.failures, help="(%(default)s)")
+    live.add_argument("--slowdown", type=float, default=ld.slowdown,
+                      help="a straggler's (%(default)s)")  # fmt: skip
+    live.add_argument("--embedded-broker", action="store_true",
+                      help="the embedded broker even where mosquitto is installed")  # fmt: skip
     return p
 
 
+def live_settings_from(args: argparse.Namespace) -> LiveSettings:
+    d = LiveSettings()
+    signals = tuple(x for x in args.signals.split(",") if x) or d.signals
+    return LiveSettings(
+        machines=args.machines, per_node=args.per_node,
+        standbys=d.standbys if args.pool is None else args.pool,
+        step_s=args.step_s or d.step_s, seconds=args.seconds, failures=args.failures,
+        signals=signals, slowdown=args.slowdown, seed=args.seed, mix=args.mix,
+        embedded_broker=args.embedded_broker,
+    )  # fmt: skip
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
-    if args.gpus < 1 or args.days <= 0 or args.pool < 0 or args.window < 2:
+    pool = Settings().pool if args.pool is None else args.pool
+    if args.gpus < 1 or args.days <= 0 or pool < 0 or args.window < 2:
         raise SystemExit("tmd sim: --gpus >= 1, --days > 0, --pool >= 0, --window >= 2")
     return Settings(
-        gpus=args.gpus, days=args.days, seed=args.seed, mix=args.mix, pool=args.pool,
+        gpus=args.gpus, days=args.days, seed=args.seed, mix=args.mix, pool=pool,
         rebalance_min=args.rebalance_min, window=args.window, step_s=args.step_s,
         downtime=args.downtime, failslow=not args.no_failslow, planned=not args.no_planned,
         slow_machines=args.slow_machines,
@@ -127,6 +157,15 @@ def draw(out: dict[str, Any], settings: Settings, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.live:
+        log.setup(level="error")
+        progress = Progress()
+        try:
+            result = live.run(live_settings_from(args), progress.say)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"tmd sim --live: {exc}") from exc
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
     settings = settings_from(args)
     if args.sweep is not None:
         log.setup(level="error")

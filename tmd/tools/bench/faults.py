@@ -244,14 +244,22 @@ class Daemon:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
             return json.load(r)
 
-    def migrate(self, node: str) -> None:
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            return str(r.read().decode())
+
+    def post(self, path: str, body: dict[str, Any]) -> None:
+        """A request to a mutating endpoint, with the token; it must be accepted."""
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/api/v1/migrate",
-            data=json.dumps({"job": JOB, "node": node}).encode(),
+            f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
             headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
         )  # fmt: skip
         with urllib.request.urlopen(request, timeout=5) as r:
-            assert r.status == 202
+            if r.status != 202:
+                raise RuntimeError(f"POST {path}: {r.status}")
+
+    def migrate(self, node: str) -> None:
+        self.post("/api/v1/migrate", {"job": JOB, "node": node})
 
     def rows(self, sql: str) -> list[Any]:
         db = sqlite3.connect(f"file:{self.journal}?mode=ro", uri=True, timeout=5)
