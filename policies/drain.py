@@ -9,8 +9,10 @@ standby yet, a guardrail) or a migration that did not finish (``aborted``,
 doubling each time up to ``retry_max_s``. The drain of a machine in a job is forgotten
 once its migration is done or the machine runs no rank of that job (the runtime
 replaced it, the job restarted without it). A second drain of the same machine starts
-it over. ``tmd migrate`` is one request, decided once. Found by ``tmd sim --live``: a
-drain that met another migration in flight was held and then lost.
+it over. Drains are held in memory: a restarted daemon has forgotten them (drain
+again). In dry run every retry is journaled as another held decision, at most one per
+``retry_max_s``. ``tmd migrate`` is one request, decided once. Found by ``tmd sim
+--live``: a drain that met another migration in flight was held and then lost.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class DrainPolicy(Policy):
     def __init__(self, config: DrainConfig | None, *, context: Context) -> None:
         config = config or DrainConfig()
         super().__init__(config, context=context)
-        self.tick_interval = timedelta(seconds=config.retry_s)  # type: ignore[misc]
+        # Ticks at half the wait, so that a retry comes at most half a wait late.
+        self.tick_interval = timedelta(seconds=config.retry_s / 2)  # type: ignore[misc]
         self._drains: dict[tuple[str, str], _Drain] = {}
 
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:

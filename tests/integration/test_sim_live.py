@@ -32,7 +32,9 @@ def test_the_daemon_handles_every_kind_of_failure_of_a_live_simulated_cluster() 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
-    assert r["injected"] == r["handled"] == 4, r["failures"]
+    assert r["errors"] == []
+    assert r["injected"] == r["found"] == r["decided"] == r["ended"] == 4, r["failures"]
+    assert r["ended_by"] == {"daemon": 2, "runtime": 2}
     assert sorted(f["signal"] for f in r["failures"]) == sorted(EXPECTED)
     for f in r["failures"]:
         finding, decision, outcome = EXPECTED[f["signal"]]

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             raise SystemExit(f"tmd sim --live: {exc}") from exc
         print(json.dumps(result, indent=None if args.json else 2))
-        return 0
+        return 1 if result["errors"] else 0
     settings = settings_from(args)
     if args.sweep is not None:
         log.setup(level="error")

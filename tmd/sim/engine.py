@@ -404,9 +404,13 @@ class Simulation:
                            kind="restarting", node=self.nodes[0], rank=0, local_rank=0)  # fmt: skip
             self._at(t, lambda: self._send(wire.job_topic(JOB, "ack"), ack))
 
-    def _failover_answer(self, generation: int, *, replaced: bool) -> None:
-        survivors = [n for n in self.nodes if n not in self.dead]
-        for ack in protocol.failover_answer(job=JOB, generation=generation, replaced=replaced,
+    def _survivors(self) -> list[str]:
+        return [n for n in self.nodes if n not in self.dead]
+
+    def _failover_answer(
+        self, generation: int, swaps: dict[str, str], survivors: list[str]
+    ) -> None:
+        for ack in protocol.failover_answer(job=JOB, generation=generation, swaps=swaps,
                                             survivors=survivors, per_node=self.k,
                                             ts=self.clock.now(),
                                             downtime_s=self.costs.machine_failover_s):  # fmt: skip
@@ -501,11 +505,11 @@ class Simulation:
                     # The runtime's failover ends any migration being prepared (its
                     # joiner leaves it when the job's generation reports the failure).
                     self._flights.clear()
-                    generation = self.generation
+                    generation, survivors = self.generation, self._survivors()
                     self._replace(slot, joiner.node)
                     self.dead.discard(node)
                     self._status()
-                    self._failover_answer(generation, replaced=True)
+                    self._failover_answer(generation, {node: joiner.node}, survivors)
                     self._refill()
 
                 self._at(t + noticed + self.costs.machine_failover_s, failover)
@@ -514,7 +518,7 @@ class Simulation:
                 self.tally.lost_s[f.cause] += noticed
 
                 def restart() -> None:
-                    self._failover_answer(self.generation, replaced=False)
+                    self._failover_answer(self.generation, {}, self._survivors())
                     self.dead.discard(node)
                     self._restart(f.cause, index, running=False, without=slot)
 

@@ -14,8 +14,11 @@ model ``tmd bench detect`` holds the detector to) in batches of ``BATCH_STEPS``,
 publishes its retained status on every change, and answers the control protocol as the
 runtime does (``tmd.sim.protocol``): a ``Prepare`` with every process's ``prepared``
 after ``PREPARE_S``, a ``Switch`` at the next batch boundary, an ``Abort``, a
-``Restart`` (the job comes back without the machine after ``RESTART_S``). Every agent
-sends its status and a GPU sample every ``BEAT_S``.
+``Restart`` (the job comes back without the machine after ``RESTART_S``), and its own
+failovers (``failover-g{gen}``); a repeated command gets where it stands. Every agent
+publishes its retained status when it connects and a GPU sample every ``BEAT_S``. The
+daemon's detection and policy timings are scaled to a run of seconds
+(``daemon_sections``); its actuator's timeouts are its defaults.
 
 Failures, one every ``seconds / (failures + 1)`` or so, on a machine drawn from the
 job's, each kind with a cause drawn from the mix by weight, kinds taken in turn from
@@ -36,12 +39,16 @@ job's, each kind with a cause drawn from the mix by weight, kinds taken in turn 
   policy's migration runs live.
 
 Prints one JSON object: each failure with when the daemon's journal first named the
-machine (``found_s``), what it decided and how the episode ended (``outcome``:
-``live_migrated``, ``failed_over``, ``restarted`` or ``unresolved``); ``handled``;
-whether the daemon's view of the job (generation, who holds each rank, the standbys)
-agrees with the job's (``view_agrees``); messages sent and what the daemon counted
-received and rejected; every journaled migration ended once (``exactly_once``); and
-the job's effective training time ratio over the run (``ettr``).
+machine (``found_s``), what it decided, how the episode ended (``outcome``:
+``live_migrated``, ``failed_over``, ``restarted`` or ``unresolved``) and by whom
+(``ended_by``: ``daemon``, a migration it drove; ``runtime``, what the job did by
+itself, whose ``ended_s`` is the simulation's own constants); ``found``, ``decided``,
+``ended``; whether the daemon's view of the job (generation, who holds each rank, the
+ready standbys) agrees with the job's last status (``view_agrees``); messages sent and
+what the daemon counted received and rejected; whether every journaled migration ended
+and was reported finished exactly once (``exactly_once``); the job's effective
+training time ratio over the run (``ettr``); and ``errors`` in the simulation's own
+tasks (then ``tmd sim --live`` exits 1).
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ NOTICED_S = {"xid": 0.5, "node_lost": 3.0}
 RESTART_S = 3.0  # a restart from the checkpoint, without the machine
 WARM_S = 3.0  # a new standby machine, provisioned and warmed
 REBALANCE_S = 3.0
+SETTLE_S = 2.0  # at the end, how long the daemon's view may take to catch up
 GPU_MODEL = "NVIDIA H100 80GB HBM3"
 OUTCOMES = ("live_migrated", "failed_over", "restarted")
 FINDINGS = ("StragglerFound", "GpuFault", "NodeLost", "DrainRequested")
@@ -114,12 +122,14 @@ class Episode:
     node: str
     ts: float = 0.0  # wall clock when injected
     outcome: str = "unresolved"
+    ended_by: str = ""  # "daemon": its command ended it; "runtime": the job did by itself
     ended_s: float | None = None  # seconds after injection
 
 
 @dataclass
 class Flight:
     prepare: wire.Prepare
+    prepared: bool = False
     switching: bool = False
 
 
@@ -188,6 +198,11 @@ class Cluster:
         self._connections: dict[str, aiomqtt.Client] = {}
         self._pub: aiomqtt.Client | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._over: dict[str, str] = {}  # migration id -> how it ended, for repeats
+        self._stuck: list[wire.Prepare] = []  # Prepares of a dead leaver, not read yet
+        self.errors: list[str] = []  # what went wrong in the simulation's own tasks
+        self._cut: set[str] = set()
+        self.published: wire.JobStatus | None = None
         self._timings: Any = None
 
     # -- the wire ----------------------------------------------------------------------
@@ -209,13 +224,19 @@ class Cluster:
     def _later(self, delay: float, action: Callable[[], Any]) -> None:
         async def run() -> None:
             await asyncio.sleep(delay)
-            result = action()
-            if asyncio.iscoroutine(result):
-                await result
+            try:
+                result = action()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as exc:  # kept for the result: the run must not hide it
+                self._failed(getattr(action, "__name__", "a scheduled action"), exc)
 
         task = asyncio.create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        self.errors.append(f"{where}: {type(exc).__name__}: {exc}")
 
     async def _status(self) -> None:
         j, now = self.job, time.time()
@@ -229,6 +250,7 @@ class Cluster:
             state=j.state, step=j.step, run=j.run, excluded=j.excluded,  # type: ignore[arg-type]
         )  # fmt: skip
         await self._publish(wire.job_topic(JOB, "status"), status, retain=True)
+        self.published = status
 
     async def _acks(self, prepare: wire.Prepare, kind: str, nodes: list[str], **kw: Any) -> None:
         for ack in protocol.acks(job=JOB, migration_id=prepare.migration_id, kind=kind,
@@ -250,19 +272,25 @@ class Cluster:
         topic = wire.node_topic(node, "status")
         offline = self._node_status(node, "offline", role)
         will = aiomqtt.Will(topic, wire.encode(offline), qos=1, retain=True)
-        async with self.client(will=will, identifier=f"tmd-sim-{node}") as c:
-            self._connections[node] = c
-            await self._publish(topic, self._node_status(node, "online", role), retain=True, via=c)
-            while node in self._connections:
-                sample = wire.NodeGpu(ts=time.time(), node=node, gpus=[
-                    wire.GpuSample(index=i, temp_c=55.0, power_w=400.0, util_pct=97.0)
-                    for i in range(self.k)])  # fmt: skip
-                await self._publish(wire.node_topic(node, "gpu"), sample, qos=0, via=c)
-                await asyncio.sleep(BEAT_S)
+        try:
+            async with self.client(will=will, identifier=f"tmd-sim-{node}") as c:
+                self._connections[node] = c
+                online = self._node_status(node, "online", role)
+                await self._publish(topic, online, retain=True, via=c)
+                while node in self._connections:
+                    sample = wire.NodeGpu(ts=time.time(), node=node, gpus=[
+                        wire.GpuSample(index=i, temp_c=55.0, power_w=400.0, util_pct=97.0)
+                        for i in range(self.k)])  # fmt: skip
+                    await self._publish(wire.node_topic(node, "gpu"), sample, qos=0, via=c)
+                    await asyncio.sleep(BEAT_S)
+        except aiomqtt.MqttError as exc:
+            if node not in self._cut:
+                self._failed(f"agent {node}", exc)
 
     async def cut(self, node: str) -> None:
         """The machine drops off the network: its agent's connection ends without a
         DISCONNECT, so the broker publishes its Will."""
+        self._cut.add(node)
         conn = self._connections.pop(node, None)
         task = self._agents.pop(node, None)
         if conn is not None:
@@ -305,10 +333,10 @@ class Cluster:
         j.generation += 1
         self._provision()
 
-    async def _end(self, node: str, outcome: str) -> None:
+    def _end(self, node: str, outcome: str, *, by: str) -> None:
         for e in self.episodes:
             if e.node == node and e.ts and e.outcome == "unresolved":
-                e.outcome = outcome
+                e.outcome, e.ended_by = outcome, by
                 e.ended_s = round(time.time() - e.ts, 3)
 
     async def train(self, stop: asyncio.Event) -> None:
@@ -355,9 +383,10 @@ class Cluster:
             self._replace(j.nodes.index(p.leaver), p.joiner)
             await self._status()
             downtime = wire.Downtime(total_s=self.s.step_s)
+            self._over[mid] = "switched"
             await self._acks(p, "switched", [*j.nodes, p.leaver], downtime=downtime,
                              leaver=p.leaver)  # fmt: skip
-            await self._end(p.leaver, "live_migrated")
+            self._end(p.leaver, "live_migrated", by="daemon")
 
     async def control(self) -> None:
         """Answer the daemon's commands as the runtime does."""
@@ -371,89 +400,117 @@ class Cluster:
 
     async def _command(self, command: wire.Control) -> None:
         j = self.job
+        mid = command.migration_id
         if isinstance(command, wire.Prepare):
-            if command.leaver in j.dead or command.migration_id in j.flights:
-                return  # gone: the runtime's own failover answers; or a resend
-            if command.leaver not in j.nodes or command.joiner not in self._ready():
-                detail = f"cannot move {command.leaver} to {command.joiner}"
-                await self._acks(command, "failed", j.nodes[:1], detail=detail)
-                return
-            j.flights[command.migration_id] = Flight(command)
-            self._later(PREPARE_S, lambda: self._prepared(command))
+            if mid in self._over:  # a repeat of one that is over: where it stands
+                await self._acks(command, self._over[mid], j.nodes[:1], detail="already")
+            elif mid in j.flights:  # a repeat: prepared again, once it is
+                if j.flights[mid].prepared:
+                    await self._prepared(command)
+            elif command.leaver in j.dead:
+                # Its peers are stuck in a collective: read at the first boundary after
+                # the runtime's own failover, which answers it (``_machine_died``).
+                self._stuck.append(command)
+            elif command.leaver not in j.nodes or command.joiner not in self._ready():
+                await self._refuse(command)
+            else:
+                j.flights[mid] = Flight(command)
+                self._later(PREPARE_S, lambda: self._prepared(command))
         elif isinstance(command, wire.Switch):
-            flight = j.flights.get(command.migration_id)
+            flight = j.flights.get(mid)
             if flight is not None:
                 flight.switching = True
         elif isinstance(command, wire.Abort):
-            aborted = j.flights.pop(command.migration_id, None)
+            aborted = j.flights.pop(mid, None)
             if aborted is not None:
-                await self._acks(aborted.prepare, "aborted", [*j.nodes, aborted.prepare.joiner])
+                self._over[mid] = "aborted"
+                alive = [x for x in [*j.nodes, aborted.prepare.joiner] if x not in j.dead]
+                await self._acks(aborted.prepare, "aborted", alive)
         elif isinstance(command, wire.Restart):
             if command.run not in (None, j.run) or j.state != "running":
                 return
             if j.dead & set(j.nodes):
                 return  # stalled in a collective: no boundary to act at; its failover will
+            ok = command.node in j.nodes
             await self._publish(wire.job_topic(JOB, "ack"), wire.Ack(
-                ts=time.time(), job=JOB, migration_id=command.migration_id, kind="restarting",
-                node=j.nodes[0], rank=0, local_rank=0))  # fmt: skip
-            if command.node in j.nodes:
-                await self._restart(command.node)
+                ts=time.time(), job=JOB, migration_id=mid,
+                kind="restarting" if ok else "failed", node=j.nodes[0], rank=0, local_rank=0,
+                detail="" if ok else f"{command.node} is not a member"))  # fmt: skip
+            if ok:
+                await self._restart([command.node])
+
+    async def _refuse(self, prepare: wire.Prepare) -> None:
+        self._over[prepare.migration_id] = "failed"
+        detail = f"leaver or joiner not valid: cannot move {prepare.leaver} to {prepare.joiner}"
+        await self._acks(prepare, "failed", self.job.nodes[:1], detail=detail)
 
     async def _prepared(self, prepare: wire.Prepare) -> None:
         j = self.job
-        if prepare.migration_id not in j.flights:
+        flight = j.flights.get(prepare.migration_id)
+        if flight is None:
             return
         alive = [x for x in [*j.nodes, prepare.joiner] if x not in j.dead]
         if prepare.leaver not in j.nodes or prepare.joiner not in j.standbys:
             j.flights.pop(prepare.migration_id)
-            await self._acks(prepare, "failed", alive[:1], detail="gone")
+            await self._refuse(prepare)
             return
+        flight.prepared = True
         await self._acks(prepare, "prepared", alive)
 
-    async def _restart(self, node: str) -> None:
+    async def _restart(self, nodes: list[str]) -> None:
         """The job restarts from its checkpoint, the scheduler giving it a fresh
-        machine in ``node``'s place."""
+        machine in the place of each of ``nodes``."""
         j = self.job
         j.flights.clear()
-        j.state, j.excluded = "restarting", [node]
+        j.state, j.excluded = "restarting", list(nodes)
         await self._status()
 
         async def again() -> None:
-            fresh = f"node-r{self._names:03d}"
-            self._names += 1
-            self.start_agent(fresh, "worker")
-            j.nodes[j.nodes.index(node)] = fresh
-            j.dead.discard(node)
+            for node in nodes:
+                fresh = f"node-r{self._names:03d}"
+                self._names += 1
+                self.start_agent(fresh, "worker")
+                j.nodes[j.nodes.index(node)] = fresh
+                j.dead.discard(node)
             j.run += 1
             j.generation, j.state, j.excluded = 0, "running", []
             await self._status()
-            await self._end(node, "restarted")
+            for node in nodes:
+                self._end(node, "restarted", by="runtime")
 
         self._later(RESTART_S, again)
 
-    async def _machine_died(self, node: str, signal: str) -> None:
-        """The runtime notices, then replaces the machine from replicas with a ready
-        standby machine, or restarts without it."""
+    async def _machine_died(self, signal: str) -> None:
+        """The runtime notices, then replaces every dead machine from replicas with a
+        ready standby machine each, in one generation, or, short of standbys, restarts
+        without them all (``runtime/failover.py``)."""
         j = self.job
 
         async def failover() -> None:
-            if node not in j.nodes or j.state != "running":
-                return
+            dead = [x for x in j.nodes if x in j.dead]
+            if not dead or j.state != "running":
+                return  # done by an earlier notice, or restarting already
             ready, generation = self._ready(), j.generation
             survivors = [x for x in j.nodes if x not in j.dead]
-            if ready:
+            swaps = dict(zip(dead, ready, strict=False)) if len(ready) >= len(dead) else {}
+            if swaps:
                 j.flights.clear()  # the failover ends what was being prepared
-                self._replace(j.nodes.index(node), ready[0])
+                for lost, new in swaps.items():
+                    self._replace(j.nodes.index(lost), new)
                 await self._status()
-            for ack in protocol.failover_answer(job=JOB, generation=generation,
-                                                replaced=bool(ready), survivors=survivors,
-                                                per_node=self.k, ts=time.time(),
-                                                downtime_s=FAILOVER_S):  # fmt: skip
+            for ack in protocol.failover_answer(job=JOB, generation=generation, swaps=swaps,
+                                                survivors=survivors, per_node=self.k,
+                                                ts=time.time(), downtime_s=FAILOVER_S):  # fmt: skip
                 await self._publish(wire.job_topic(JOB, "ack"), ack)
-            if ready:
-                await self._end(node, "failed_over")
-            else:
-                await self._restart(node)
+            if not swaps:
+                await self._restart(dead)
+                return
+            for lost in swaps:
+                self._end(lost, "failed_over", by="runtime")
+            # The commands that waited at the stuck boundary are read now.
+            stuck, self._stuck = self._stuck, []
+            for prepare in stuck:
+                await self._refuse(prepare)
 
         self._later(NOTICED_S[signal] + FAILOVER_S, failover)
 
@@ -476,11 +533,11 @@ class Cluster:
                                 detail=f"sim: {e.cause}")  # fmt: skip
             conn = self._connections.get(e.node)
             await self._publish(wire.node_topic(e.node, "xid"), xid, via=conn)
-            await self._machine_died(e.node, "xid")
+            await self._machine_died("xid")
         elif e.signal == "node_lost":
             j.dead.add(e.node)
             await self.cut(e.node)
-            await self._machine_died(e.node, "node_lost")
+            await self._machine_died("node_lost")
         else:  # planned
             await asyncio.to_thread(self.daemon.post, "/api/v1/drain",
                                     {"node": e.node, "requested_by": "maintenance"})  # fmt: skip
@@ -508,7 +565,10 @@ class Cluster:
             elapsed = time.monotonic() - t0
             for w in workers:
                 w.cancel()
-            await asyncio.gather(*workers, *self._tasks, return_exceptions=True)
+            ended = await asyncio.gather(*workers, *self._tasks, return_exceptions=True)
+            for what, outcome in zip(["training", "control"], ended, strict=False):
+                if isinstance(outcome, Exception):
+                    self._failed(what, outcome)
             await self.stop_agents()
             return elapsed
 
@@ -526,11 +586,18 @@ def run(s: LiveSettings, progress: Callable[[str], None] = lambda text: None) ->
         try:
             cluster = Cluster(s, broker.host, broker.port, daemon)
             elapsed = asyncio.run(cluster.main(progress))
-            view = daemon.get(f"/api/v1/status?job={JOB}")
+            # The daemon's view, once it has what the job last said (or a second on).
+            ours = _view_of_status(cluster.published)
+            deadline = time.monotonic() + SETTLE_S
+            while True:
+                theirs = _daemon_view(daemon.get(f"/api/v1/status?job={JOB}"))
+                if theirs == ours or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             metrics = daemon.get_text("/metrics")
         finally:
             daemon.stop()
-        result = _result(s, cluster, elapsed, view, metrics, daemon.journal)
+        result = _result(s, cluster, elapsed, (ours, theirs), metrics, daemon.journal)
     result["broker"] = type(broker).__name__
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     result["load"] = os.getloadavg()[0]
@@ -549,8 +616,9 @@ def daemon_sections() -> dict[str, dict[str, Any]]:
     }  # fmt: skip
 
 
-def _result(s: LiveSettings, cluster: Cluster, elapsed: float, view: dict[str, Any],
-            metrics: str, journal: Path) -> dict[str, Any]:  # fmt: skip
+def _result(s: LiveSettings, cluster: Cluster, elapsed: float,
+            view: tuple[dict[str, Any], dict[str, Any]], metrics: str,
+            journal: Path) -> dict[str, Any]:  # fmt: skip
     j = cluster.job
     rows = _journal(journal)
     failures: list[dict[str, Any]] = []
@@ -563,10 +631,9 @@ def _result(s: LiveSettings, cluster: Cluster, elapsed: float, view: dict[str, A
             "found_s": round(found[0][0] - e.ts, 3) if found and e.ts else None,
             "found_by": found[0][1] if found else None,
             "decision": f"{decided[0][1]}:{decided[0][3]}" if decided else None,
-            "outcome": e.outcome, "ended_s": e.ended_s,
+            "outcome": e.outcome, "ended_by": e.ended_by or None, "ended_s": e.ended_s,
         })  # fmt: skip
-    ours = _view_of_job(j, cluster.k)
-    theirs = _daemon_view(view)
+    ours, theirs = view
     received = _counters(metrics, "tmd_messages_received_total", "kind")
     rejected = _counters(metrics, "tmd_messages_rejected_total", "reason")
     latencies: dict[str, list[float]] = {}
@@ -580,18 +647,24 @@ def _result(s: LiveSettings, cluster: Cluster, elapsed: float, view: dict[str, A
         "mix": s.mix,
         "failures": failures,
         "injected": sum(1 for e in cluster.episodes if e.ts),
-        "handled": sum(1 for e in cluster.episodes if e.outcome in OUTCOMES),
+        "found": sum(1 for f in failures if f["found_by"] is not None),
+        "decided": sum(1 for f in failures if f["decision"] is not None),
+        "ended": sum(1 for e in cluster.episodes if e.outcome in OUTCOMES),
+        "ended_by": dict(Counter(e.ended_by for e in cluster.episodes if e.ended_by)),
         "detection_latency_s": {k: sorted(v)[len(v) // 2] for k, v in sorted(latencies.items())},
         "decisions": dict(Counter(f"{r[1]}:{r[3]}" for r in rows["events"] if r[1] in DECISIONS)),
         "migrations": dict(Counter(state for _, state in rows["migrations"])),
+        # Every journaled migration ended, and was reported finished exactly once.
         "exactly_once": all(state in ("done", "aborted", "failed")
-                            for _, state in rows["migrations"]),
+                            and rows["finished"].count(mid) == 1
+                            for mid, state in rows["migrations"]),
         "view_agrees": ours == theirs,
         "view": {"job": ours, "daemon": theirs},
         "sent": dict(cluster.sent),
         "received": received,
         "rejected": {k: v for k, v in rejected.items() if v},
         "ettr": round(cluster.useful_s / elapsed, 4),
+        "errors": cluster.errors,
         "generation": j.generation, "run": j.run,
     }  # fmt: skip
 
@@ -603,17 +676,21 @@ def _journal(path: Path) -> dict[str, list[Any]]:
                   for ts, kind, node, body in db.execute(
                       "SELECT ts, kind, node, body FROM events ORDER BY id")]  # fmt: skip
         migrations = db.execute("SELECT id, state FROM migrations").fetchall()
+        finished = [json.loads(body).get("migration_id") for (body,) in db.execute(
+            "SELECT body FROM events WHERE kind = 'MigrationFinished'")]  # fmt: skip
     finally:
         db.close()
-    return {"events": events, "migrations": migrations}
+    return {"events": events, "migrations": migrations, "finished": finished}
 
 
-def _view_of_job(j: Job, k: int) -> dict[str, Any]:
-    now = time.time()
+def _view_of_status(status: wire.JobStatus | None) -> dict[str, Any]:
+    """What the job last said of itself: what the daemon's view should hold."""
+    if status is None:
+        return {}
     return {
-        "generation": j.generation,
-        "nodes": {str(m.rank): m.node for m in protocol.members(j.nodes, k)},
-        "ready_standbys": sorted(n for n, at in j.standbys.items() if at <= now),
+        "generation": status.generation,
+        "nodes": {str(m.rank): m.node for m in status.members},
+        "ready_standbys": sorted(x.node for x in status.standbys if x.state == "ready"),
     }
 
 

@@ -56,21 +56,26 @@ def failover_answer(
     *,
     job: str,
     generation: int,
-    replaced: bool,
+    swaps: dict[str, str],
     survivors: list[str],
     per_node: int,
     ts: float,
     downtime_s: float = 0.0,
 ) -> list[wire.Ack]:
     """The runtime's answer about a failover it did by itself in ``generation``
-    (``runtime/failover.py``), id ``failover-g{generation}``: the lowest survivor's
-    ``switched``, with the downtime, when a standby machine replaced the lost one;
-    else every survivor's ``failed`` (the job rolls back to its checkpoint)."""
+    (``runtime/failover.py``), id ``failover-g{generation}``: with ``swaps`` (lost
+    machine -> the standby machine in its place), the lowest survivor's ``switched``
+    from the next generation, with the downtime, naming the swaps as the runtime's
+    ``Recovery.describe`` does; without, every survivor's ``failed`` (the job rolls
+    back to its checkpoint). With no survivor nobody answers."""
     mid = f"failover-g{generation}"
-    if replaced:
-        downtime = wire.Downtime(total_s=downtime_s)
+    if not survivors:
+        return []
+    if swaps:
+        detail = ", ".join(f"{lost} replaced by {new}" for lost, new in swaps.items())
         donor = wire.Ack(ts=ts, job=job, migration_id=mid, kind="switched", node=survivors[0],
-                         local_rank=0, generation=generation + 1, downtime=downtime)  # fmt: skip
+                         local_rank=0, generation=generation + 1, detail=detail,
+                         downtime=wire.Downtime(total_s=downtime_s))  # fmt: skip
         return [donor]
     return acks(job=job, migration_id=mid, kind="failed", nodes=survivors, per_node=per_node,
                 generation=generation, ts=ts,

@@ -244,9 +244,9 @@ class Actuator:
             # its one answer (with the downtime) speaks for all of them.
             for flight in runtime:
                 self._apply(flight, self.machine.on_ack(flight, ack, now), now)
-            if runtime:
-                return []
-            if self._replaced_ours(ack, now):
+            # One failover may have replaced a machine the runtime chose and one ours
+            # named: the one answer speaks for both.
+            if self._replaced_ours(ack, now) or runtime:
                 return []
             if ack.job not in self.view.jobs:
                 # No status of the job, so no failover of it to wait for: an answer for
@@ -277,13 +277,12 @@ class Actuator:
         processes died, and which the runtime replaced first with the same ready
         standby. The job's status already showed the switch (``switched_by_status``);
         the stayers will never answer our migration id, so the runtime's one answer,
-        with its downtime, ends it now rather than at ``switch_timeout_s``."""
+        with its downtime, ends it now rather than at ``switch_timeout_s``. The answer
+        must be this failover's (``_answers``): the runtime's ids start over with every
+        run of the job."""
         if ack.kind != "switched" or not ack.migration_id.startswith("failover-g"):
             return False
-        ours = [
-            f for f in self.ledger.of_job(ack.job)
-            if f.switched_by_status and f"failover-g{f.generation}" == ack.migration_id
-        ]  # fmt: skip
+        ours = [f for f in self.ledger.of_job(ack.job) if _answers(ack, f)]
         for flight in ours:
             flight.keep(ack)
             self._apply(flight, Next("done", REPLACED_BY_RUNTIME), now)
@@ -473,3 +472,18 @@ class Actuator:
                     "command not sent; it is sent again", error=str(exc),
                     migration_id=getattr(command, "migration_id", ""),
                 )  # fmt: skip
+
+
+def _answers(ack: wire.Ack, flight: Flight) -> bool:
+    """Is ``ack`` the runtime's answer about a failover that did what ``flight`` meant
+    to do? Its id names the flight's generation, a stayer answers from the next one,
+    and its detail (``runtime/failover.py``'s ``Recovery.describe``), when it has one,
+    names the flight's leaver replaced by its joiner."""
+    detail = ack.detail
+    return (
+        flight.switched_by_status
+        and ack.migration_id == f"failover-g{flight.generation}"
+        and ack.generation in (None, flight.generation + 1)
+        and ack.node in flight.members - {flight.leaver}
+        and (not detail or f"{flight.leaver} replaced by {flight.joiner}" in detail)
+    )

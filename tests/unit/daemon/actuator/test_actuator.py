@@ -342,7 +342,9 @@ def test_our_migration_of_a_machine_the_runtime_replaced_ends_on_the_runtime_s_a
     # our migration id, so the runtime's one answer ends it, not the switch timeout.
     mid = start(h)
     replaced = status(1, ["w0", "w1", "s0"], standbys={})
-    runtime = ack("failover-g0", "switched", "w0", 0.8)
+    runtime = wire.Ack(ts=T0, job=JOB, migration_id="failover-g0", kind="switched", node="w0",
+                       generation=1, detail="w2 replaced by s0",
+                       downtime=wire.Downtime(total_s=0.8))  # fmt: skip
     if ack_first:
         h.feed(runtime, now=T0 + 2)
         h.status(replaced, T0 + 3)
@@ -355,6 +357,30 @@ def test_our_migration_of_a_machine_the_runtime_replaced_ends_on_the_runtime_s_a
     assert end.downtime_s == 0.8
     assert h.journal.migration(mid).state == "done"  # type: ignore[union-attr]
     assert h.actuator.guard_state.in_flight == {}
+
+
+def test_one_runtime_failover_of_two_machines_ends_ours_and_its_own(h: Harness) -> None:
+    mid = start(h)  # ours: w2 to s0; the runtime replaced w1 with s1 and w2 with s0
+    h.status(status(1, ["w0", "s1", "s0"], standbys={}), T0 + 3)
+    h.feed(wire.Ack(ts=T0, job=JOB, migration_id="failover-g0", kind="switched", node="w0",
+                    generation=1, detail="w1 replaced by s1, w2 replaced by s0",
+                    downtime=wire.Downtime(total_s=0.6)), now=T0 + 4)  # fmt: skip
+    ended = {(e.migration_id == mid, e.node, e.to, e.outcome) for e in h.finished()}
+    assert ended == {(True, "w2", "s0", "done"), (False, "w1", "s1", "done")}
+
+
+def test_another_failover_s_answer_does_not_end_ours(h: Harness) -> None:
+    start(h)
+    h.status(status(1, ["w0", "w1", "s0"], standbys={}), T0 + 3)
+    stale = [  # a runtime's answer from another run, another generation, another swap
+        wire.Ack(ts=T0, job=JOB, migration_id="failover-g0", kind="switched", node="w0",
+                 generation=gen, detail=detail, downtime=wire.Downtime(total_s=7.7))
+        for gen, detail in ((1, "w1 replaced by s3"), (5, "w2 replaced by s0"))
+    ]  # fmt: skip
+    h.feed(*stale, now=T0 + 4)
+    h.feed(wire.Ack(ts=T0, job=JOB, migration_id="failover-g0", kind="switched", node="w2",
+                    generation=1, downtime=wire.Downtime(total_s=7.7)), now=T0 + 4)  # fmt: skip
+    assert h.finished() == []  # the leaver is no stayer to answer for it
 
 
 def test_a_runtime_failover_pending_its_ack_survives_a_restart(h: Harness) -> None:
