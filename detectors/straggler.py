@@ -6,8 +6,7 @@ time (compute + optimizer + data = step time minus all-reduce wait). For every s
 that all live ranks of a job have reported, each rank's busy time is compared with
 the median rank's *at the same step*, as ``log(busy / median)``. Dividing by the same
 step's median cancels whatever hits the whole job (a slower phase, a slow drift of
-the whole job, an evaluation pause on every rank); nothing is compared with its own
-past, which drifts.
+the whole job, an evaluation pause on every rank).
 
 Two kinds of unit are judged, both against their peers: every rank, and every
 machine through the mean of its ranks' values (a machine is what gets replaced, and
@@ -28,7 +27,21 @@ is the median of the estimates over the last few hundred steps; a machine's is a
 least its ranks' over the square root of its rank count, so a job of few machines
 does not take its noise from too few of them. A unit clears once its level has
 stayed below the clear level (the threshold scaled by ``clear_slowdown /
-min_slowdown``) for a whole window, so a slowdown that comes and goes is one finding.
+min_slowdown``) for ``clear_steps`` (64) steps, so a slowdown that comes and goes,
+calm for longer than a window between slow stretches, is one finding, kept.
+
+That *level* path needs a window and persistence, about 30 steps for a sudden 10%
+machine. The *change* path finds a sudden slowdown within a few steps: each machine's
+median over its last ``change_steps`` steps (its per-step value the median of its
+ranks', so one rank's spike does not move it) less its own median over the
+``change_base_steps`` before them, against the same change of its peers at the same
+step. A machine's static speed and slow drift cancel in its own change, so only a
+change larger than the peers' changes stands out: by ``change_zscore`` of their
+robust spreads (pooled over ``CHANGE_POOL`` steps, and only once that many are in)
+and ``min_slowdown``, ``change_persist_steps`` steps in a row. Ranks get the same
+test against the other ranks, with a higher bar (``rank_change_zscore``). What was
+slow from the start (a machine that joins slow) or creeps up (a ramp) has no sudden
+change: the level path finds it. Whichever fires first reports.
 
 Findings are per node, carrying the slowdown of the unit that found it. The detector
 reads the cluster view's per-rank step rings on each tick instead of observing every
@@ -42,9 +55,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 from tmd.daemon import events
 from tmd.daemon.view import JobView
@@ -55,6 +69,7 @@ from tmd.plugins import Context
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in sigmas
 SPREAD_EVERY = 8  # steps between two estimates of the peers' spread ...
 SPREAD_POOL = 32  # ... and how many recent estimates its median pools (256 steps)
+CHANGE_POOL = 64  # steps of the machines' change spread the change path pools
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +82,17 @@ class StragglerConfig:
     stall_lag_steps: int = 64
     min_zscore: float = 5.0  # ... and this many robust spreads of the peers' levels
     persist_steps: int = 12  # ... for this many steps in a row
+    # The change path: a machine whose last ``change_steps`` steps stand above its own
+    # ``change_base_steps`` before them by ``change_zscore`` robust spreads of its
+    # peers' changes (and ``min_slowdown``), ``change_persist_steps`` steps in a row.
+    change_steps: int = 4
+    change_base_steps: int = 32
+    change_zscore: float = 6.0
+    change_persist_steps: int = 3
+    # ... and a rank, one GPU, against the other ranks: noisier, so a higher bar.
+    rank_change_zscore: float = 8.0
+    rank_change_persist_steps: int = 5
+    clear_steps: int = 64  # a flagged unit clears once calm this long (>= window_steps)
 
     def validate(self) -> None:
         key = "detectors.straggler."
@@ -86,6 +112,20 @@ class StragglerConfig:
             raise ConfigError(key + "min_zscore", "must be in [0, 100]")
         if not 0 <= self.persist_steps <= 4096:
             raise ConfigError(key + "persist_steps", "must be in 0..4096")
+        if not 1 <= self.change_steps <= 256:
+            raise ConfigError(key + "change_steps", "must be in 1..256")
+        if not 4 <= self.change_base_steps <= 1024:
+            raise ConfigError(key + "change_base_steps", "must be in 4..1024")
+        if not 0 < self.change_zscore <= 100:
+            raise ConfigError(key + "change_zscore", "must be in (0, 100] (100: off)")
+        if not 1 <= self.change_persist_steps <= 4096:
+            raise ConfigError(key + "change_persist_steps", "must be in 1..4096")
+        if not 0 < self.rank_change_zscore <= 100:
+            raise ConfigError(key + "rank_change_zscore", "must be in (0, 100] (100: off)")
+        if not 1 <= self.rank_change_persist_steps <= 4096:
+            raise ConfigError(key + "rank_change_persist_steps", "must be in 1..4096")
+        if not self.window_steps <= self.clear_steps <= 65536:
+            raise ConfigError(key + "clear_steps", "must be in window_steps..65536")
 
 
 @dataclass(frozen=True)
@@ -175,6 +215,7 @@ def score(window: Iterable[tuple[int, float]], threshold: Threshold) -> Score:
 
 
 Key = int | str  # a rank, or a machine by its node name
+K = TypeVar("K", int, str)
 
 
 @dataclass
@@ -187,6 +228,11 @@ class _Unit:
     flagged: bool = False
     hot_since: int | None = None  # not flagged, and above the flag level since this step
     calm_since: int | None = None  # flagged, and below the clear level since this step
+    # The change path (machines): each step's median over the machine's ranks, and how
+    # many steps in a row its change stood out, with the last change (log units).
+    steps: deque[tuple[int, float]] = field(default_factory=deque)
+    changed_for: int = 0
+    change: float = 0.0
 
 
 @dataclass
@@ -201,6 +247,8 @@ class _Job:
     spreads: deque[tuple[float, float | None]] = field(  # (ranks', machines') estimates
         default_factory=lambda: deque(maxlen=SPREAD_POOL)
     )
+    change_spreads: deque[float] = field(default_factory=lambda: deque(maxlen=CHANGE_POOL))
+    rank_change_spreads: deque[float] = field(default_factory=lambda: deque(maxlen=CHANGE_POOL))
 
 
 class StragglerDetector(Detector):
@@ -275,22 +323,63 @@ class StragglerDetector(Detector):
             unit = job.ranks.get(r)
             if unit is None:
                 unit = job.ranks[r] = _Unit(vjob.ranks[r].node, deque(maxlen=cfg.window_steps))
+                unit.steps = deque(maxlen=cfg.change_base_steps + cfg.change_steps)
             unit.window.append((step, v - median))
+            unit.steps.append((step, v - median))
             touched.add(r)
             by_node.setdefault(unit.node, []).append((r, v - median))
+        self._changes(job.ranks, job.rank_change_spreads, step, cfg.rank_change_zscore)
         if len(by_node) < cfg.min_ranks or all(len(m) == 1 for m in machines.values()):
             return  # too few machines to compare, or one rank each: the ranks say it all
         for node, values in by_node.items():
             unit = job.machines.get(node)
             if unit is None:
                 unit = job.machines[node] = _Unit(node, deque(maxlen=cfg.window_steps))
+                unit.steps = deque(maxlen=cfg.change_base_steps + cfg.change_steps)
             members = machines.get(node, ())
             if members != unit.members:
                 # Other ranks placed on it: its history is another machine's.
                 unit.window.clear()
-                unit.members, unit.hot_since = members, None
+                unit.steps.clear()
+                unit.members, unit.hot_since, unit.changed_for = members, None, 0
             unit.window.append((step, sum(v for _, v in values) / len(values)))
+            unit.steps.append((step, statistics.median(v for _, v in values)))
             touched.add(node)
+        self._changes(job.machines, job.change_spreads, step, cfg.change_zscore)
+
+    def _changes(
+        self, units: Mapping[K, _Unit], spreads: deque[float], step: int, zscore: float
+    ) -> None:
+        """The change path, at ``step``: each machine's change, the median of its last
+        ``change_steps`` per-step medians less the median of the ``change_base_steps``
+        before them, against its peers' changes at the same step. A machine compared
+        with its own recent past needs no level of its own to stand out from its peers'
+        drift, only a change larger than theirs, so a sudden slowdown shows within a
+        few steps; one slow rank's spike does not move its machine's median. The same
+        for every rank against the other ranks (``units``: the job's machines or its
+        ranks; ``spreads``: their pool of spreads)."""
+        cfg = self.config
+        need = cfg.change_base_steps + cfg.change_steps
+        changes: dict[K, float] = {}
+        for key, unit in units.items():
+            if len(unit.steps) < need or unit.steps[-1][0] != step:
+                unit.changed_for = 0
+                continue
+            values = [v for _, v in unit.steps]
+            recent = statistics.median(values[-cfg.change_steps :])
+            changes[key] = recent - statistics.median(values[: -cfg.change_steps])
+        if len(changes) < cfg.min_ranks:
+            return
+        center = statistics.median(changes.values())
+        spreads.append(robust_spread(list(changes.values())))
+        if len(spreads) < CHANGE_POOL:
+            return  # the peers' changes are not known well enough yet
+        bar = max(math.log1p(cfg.min_slowdown), zscore * statistics.median(spreads))
+        for key, change in changes.items():
+            unit = units[key]
+            above = change - center
+            unit.changed_for = unit.changed_for + 1 if above > bar else 0
+            unit.change = above
 
     def _estimate(self, job: _Job) -> None:
         """Thresholds from the peers' current levels and their spread, pooled over the
@@ -328,7 +417,8 @@ class StragglerDetector(Detector):
                     yield from self._unflag(name, job, unit.node, old, now, f"rank {r} moved away")
                 unit.node = state.node
                 unit.window.clear()
-                unit.hot_since = None
+                unit.steps.clear()
+                unit.hot_since, unit.changed_for = None, 0
 
     def _unit(self, job: _Job, key: Key) -> _Unit:
         return job.ranks[key] if isinstance(key, int) else job.machines[key]
@@ -336,6 +426,16 @@ class StragglerDetector(Detector):
     def _judge(self, name: str, job: _Job, key: Key, now: float) -> Iterator[events.Event]:
         cfg = self.config
         unit = self._unit(job, key)
+        persist = (cfg.rank_change_persist_steps if isinstance(key, int)
+                   else cfg.change_persist_steps)  # fmt: skip
+        if not unit.flagged and unit.changed_for >= persist:
+            what = f"rank {key}" if isinstance(key, int) else "its ranks' median"
+            yield from self._flag(name, job, key, unit, now, slowdown=math.expm1(unit.change),
+                                  confidence=1.0, since=unit.steps[-unit.changed_for][0],
+                                  detail=f"{what}: busy {math.expm1(unit.change):+.1%} over "
+                                  f"its own last {cfg.change_base_steps} steps, against its "
+                                  "peers, from a sudden change")  # fmt: skip
+            return
         th = job.rank_threshold if isinstance(key, int) else job.machine_threshold
         if th is None or len(unit.window) < cfg.window_steps:
             return  # too little history (a rank that joined late)
@@ -353,30 +453,34 @@ class StragglerDetector(Detector):
             blatant = s.level >= 2 * th.flag  # no drift goes this far: no need to wait
             if last - unit.hot_since < cfg.persist_steps and not blatant:
                 return
-            unit.flagged, unit.hot_since, unit.calm_since = True, None, None
-            flagged = job.flagged_nodes.setdefault(unit.node, set())
-            first = not flagged
-            flagged.add(key)
-            if first:
-                what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
-                yield events.StragglerFound(
-                    ts=now,
-                    job=name,
-                    node=unit.node,
-                    slowdown=round(s.run_slowdown, 4),
-                    confidence=round(s.confidence, 3),
-                    since_step=s.since_step,
-                    detail=f"{what}: busy {s.run_slowdown:+.1%} vs the median "
-                    f"since step {s.since_step} (threshold {math.expm1(th.flag):+.1%})",
-                )
+            what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
+            yield from self._flag(name, job, key, unit, now, slowdown=s.run_slowdown,
+                                  confidence=s.confidence, since=s.since_step,
+                                  detail=f"{what}: busy {s.run_slowdown:+.1%} vs the median "
+                                  f"since step {s.since_step} (threshold "
+                                  f"{math.expm1(th.flag):+.1%})")  # fmt: skip
         else:
             if s.level >= th.clear:
                 unit.calm_since = None
             elif unit.calm_since is None:
                 unit.calm_since = last
-            elif last - unit.calm_since >= cfg.window_steps:
+            elif last - unit.calm_since >= cfg.clear_steps:
                 why = f"busy back to {s.slowdown:+.1%}"
                 yield from self._unflag(name, job, key, unit, now, why)
+
+    def _flag(
+        self, name: str, job: _Job, key: Key, unit: _Unit, now: float, *,
+        slowdown: float, confidence: float, since: int, detail: str,
+    ) -> Iterator[events.Event]:  # fmt: skip
+        unit.flagged, unit.hot_since, unit.calm_since = True, None, None
+        flagged = job.flagged_nodes.setdefault(unit.node, set())
+        first = not flagged
+        flagged.add(key)
+        if first:
+            yield events.StragglerFound(
+                ts=now, job=name, node=unit.node, slowdown=round(slowdown, 4),
+                confidence=round(confidence, 3), since_step=since, detail=detail,
+            )  # fmt: skip
 
     def _unflag(
         self, name: str, job: _Job, key: Key, unit: _Unit, now: float, why: str

@@ -280,6 +280,25 @@ def _two(rng: random.Random, s: JobShape) -> Effects:
     )
 
 
+def _second(rng: random.Random, s: JobShape) -> Effects:
+    """A job that already has a straggler (30% slower from early on, found and not yet
+    moved) meets a second: it must be found as fast as the first."""
+    a, b = rng.sample(range(s.nodes), 2)
+    return Effects(
+        slow=[
+            Slowdown(node_ranks(a, s), 30, None, 0.30),
+            Slowdown(node_ranks(b, s), rng.randrange(150, 250), None, 0.15),
+        ]
+    )
+
+
+def _intermittent_long(rng: random.Random, s: JobShape) -> Effects:
+    """Slow for 30 steps, normal for 40, again and again: calm for longer than a
+    window between slow stretches. One finding, kept while the cycle lasts."""
+    ranks = node_ranks(rng.randrange(s.nodes), s)
+    return Effects(slow=[Slowdown(ranks, _onset(rng) - 40, None, 0.25, on_off=(30, 40))])
+
+
 def _late_join_straggler(rng: random.Random, s: JobShape) -> Effects:
     ranks = node_ranks(rng.randrange(s.nodes), s)
     return Effects(join={r: 120 for r in ranks}, slow=[Slowdown(ranks, 120, None, 0.20)])
@@ -305,6 +324,8 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "noisy_15pct": lambda rng, s: _node(rng, s, 0.15),
     "late_join_straggler": _late_join_straggler,
+    "second_straggler": _second,
+    "intermittent_long": _intermittent_long,
     "rank_stall": lambda rng, s: Effects(stall={rng.randrange(s.ranks): _onset(rng)}),
 }
 NOISY: dict[str, dict[str, Any]] = {"noisy_15pct": {"noise": 0.06, "spike_p": 0.04}}

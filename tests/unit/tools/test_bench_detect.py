@@ -109,6 +109,25 @@ def test_score_trace_counts_true_and_false_findings_recall_and_latency() -> None
     assert (s.stalls, s.stalls_found, s.wrong_stalls) == (1, 1, 1)
 
 
+def test_a_ramp_s_latency_counts_from_its_first_step_of_10_percent() -> None:
+    assert detect.onset(straggler("a", 100)) == 100
+    assert detect.onset(straggler("a", 100, slowdown=0.2, ramp_steps=100)) == 149
+    assert detect.onset(straggler("a", 100, slowdown=0.5, ramp_steps=150)) == 129
+    trace = trace_with(straggler("a", 100, slowdown=0.2, ramp_steps=100))
+    assert detect.score_trace(trace, [found("a", 160)], W).latencies == [11]
+
+
+def test_a_machine_cleared_while_its_slowdown_lasts_is_a_flapping_label() -> None:
+    trace = trace_with(straggler("a", 100), straggler("b", 100, 200), straggler("c", 100))
+    out = [
+        found("a", 110), cleared("a", 150), found("a", 170),  # flapped
+        found("b", 110), cleared("b", 230),  # cleared after its end: right
+        found("c", 110),
+    ]  # fmt: skip
+    assert detect.score_trace(trace, out, W).flapped == 1
+    assert detect.summary([detect.score_trace(trace, out, W)])["flapping_labels"] == 1
+
+
 def test_summary_is_precision_recall_and_clean_findings() -> None:
     rows = [
         TraceScore("clean", findings=1, wrong_stalls=1),
