@@ -1,0 +1,264 @@
+"""Feasible Policy Iteration, exact and tabular (Yang et al., "Feasible Policy
+Iteration", arXiv 2304.08845): the learned safe policy's theory, checked on a finite
+model of the migration decision.
+
+The problem. A finite MDP with transitions ``P[a, x, x']``, rewards ``r[x, a]`` and a
+constraint signal ``h[x]`` (a limit is broken where ``h > 0``). A policy must keep the
+chance of ever breaking a limit low, and within that win as much reward as it can.
+
+FPI measures the first with the *constraint decay function*: ``F(x) = E[gamma^N]``,
+``N`` the first step at which a limit is broken (``F = 1`` where one is broken now,
+``0`` where none ever will be). For a policy ``pi`` it satisfies, with
+``c(x) = 1[h(x) > 0]``,
+
+    G(x, a) = c(x) + (1 - c(x)) * gamma * sum_x' P[a, x, x'] * F(x')
+    F(x) = G(x, pi(x))
+
+and the policy's *feasible region* is ``{x : F(x) <= p}``. Each iteration evaluates
+the policy (its ``Q`` and ``G``, exactly: linear solves) and improves it region by
+region: inside the region it takes the action of the highest ``Q`` among those whose
+``G <= p``; outside, the action of the lowest ``G`` (back towards feasibility). No
+Lagrange multiplier is tuned. The paper's theorem: the feasible region never shrinks
+from one iteration to the next, and inside the old region the value never falls.
+``iterate`` records both, iteration by iteration, so a run shows whether they held.
+
+The theorem is about the exact algorithm, ``p = 0``: the region is the states from
+which the policy never breaks a limit, every action kept inside it leads only to
+such states, so the new policy's ``F`` is at most the old one's everywhere and,
+inside, improving ``Q`` is plain policy iteration on a closed set of states. With
+``p > 0`` (the relaxation the reference code's networks use, ``pf = 0.1``) an action
+of ``G <= p`` may lead to states outside the region, and neither half holds in
+general: ``tests/unit/sim/test_fpi.py`` finds random MDPs where each fails.
+
+``migration_mdp`` builds the finite model of one job's decision every ``tick_s``
+from the simulator's data (``tmd.sim.mixes``' fail-slow episodes, ``tmd.sim.cost``'s
+times): the worst straggler's slowdown and age, the ready standby pool, and the
+migrations of the last hour; actions no-op, migrate the straggler's machine,
+restart without it; the limits: migrations per hour and the pool's minimum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+Array = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class MDP:
+    """``P[a, x, x']`` (rows sum to 1), ``r[x, a]``, ``h[x]`` (> 0: a limit broken)."""
+
+    P: Array
+    r: Array
+    h: Array
+    actions: tuple[str, ...] = ()
+    states: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        n_a, n_x, n_y = self.P.shape
+        if n_x != n_y or self.r.shape != (n_x, n_a) or self.h.shape != (n_x,):
+            raise ValueError(f"shapes: P {self.P.shape}, r {self.r.shape}, h {self.h.shape}")
+        if not np.allclose(self.P.sum(axis=2), 1.0):
+            raise ValueError("every row of P must sum to 1")
+
+    @property
+    def n_states(self) -> int:
+        return int(self.P.shape[1])
+
+    @property
+    def n_actions(self) -> int:
+        return int(self.P.shape[0])
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A policy's values: ``V``, ``Q[x, a]``, ``F`` and ``G[x, a]``."""
+
+    V: Array
+    Q: Array
+    F: Array
+    G: Array
+
+
+def evaluate(mdp: MDP, policy: npt.NDArray[np.int64], gamma: float) -> Evaluation:
+    """Exact policy evaluation: ``V`` and ``F`` from linear systems, then ``Q``, ``G``."""
+    n = mdp.n_states
+    rows = np.arange(n)
+    P_pi = mdp.P[policy, rows, :]  # [x, x'] under pi
+    r_pi = mdp.r[rows, policy]
+    V: Array = np.linalg.solve(np.eye(n) - gamma * P_pi, r_pi).astype(np.float64)
+    c = (mdp.h > 0).astype(float)
+    # F = c + (1 - c) * gamma * P_pi F
+    F = np.linalg.solve(np.eye(n) - ((1 - c) * gamma)[:, None] * P_pi, c)
+    F = np.clip(F, 0.0, 1.0)
+    next_V = np.einsum("axy,y->xa", mdp.P, V)
+    next_F = np.einsum("axy,y->xa", mdp.P, F)
+    Q = mdp.r + gamma * next_V
+    G = c[:, None] + (1 - c)[:, None] * gamma * next_F
+    return Evaluation(V, Q, F, G)
+
+
+TOL = 1e-9  # the linear solves' rounding: a value this close to the threshold is on it
+
+
+def improve(ev: Evaluation, p: float) -> npt.NDArray[np.int64]:
+    """Region-wise improvement: inside ``{F <= p}`` the best ``Q`` of the actions whose
+    ``G <= p`` (the current action is one, so there always is one); outside, the
+    lowest ``G``."""
+    bar = p + TOL
+    feasible = np.less_equal(ev.F, bar)
+    allowed = np.less_equal(ev.G, bar)
+    inside = np.where(allowed, ev.Q, -np.inf).argmax(axis=1)
+    outside = ev.G.argmin(axis=1)
+    chosen: npt.NDArray[np.int64] = np.where(feasible, inside, outside).astype(np.int64)
+    return chosen
+
+
+@dataclass
+class Run:
+    """What ``iterate`` saw, iteration by iteration."""
+
+    policies: list[npt.NDArray[np.int64]] = field(default_factory=list)
+    evaluations: list[Evaluation] = field(default_factory=list)
+    region_sizes: list[int] = field(default_factory=list)
+    region_monotone: bool = True  # every region contains the one before
+    value_monotone: bool = True  # inside the old region, V never fell
+    iterations: int = 0
+
+    @property
+    def policy(self) -> npt.NDArray[np.int64]:
+        return self.policies[-1]
+
+
+def iterate(
+    mdp: MDP,
+    *,
+    p: float,
+    gamma: float,
+    start: npt.NDArray[np.int64] | None = None,
+    max_iterations: int = 100,
+    tol: float = 1e-9,
+) -> Run:
+    """FPI from ``start`` (default: action 0 everywhere) until the policy is stable."""
+    if not (0 < gamma < 1 and 0 <= p < 1):
+        raise ValueError("gamma must be in (0, 1) and p in [0, 1)")
+    policy = np.zeros(mdp.n_states, dtype=np.int64) if start is None else start.copy()
+    run = Run()
+    ev = evaluate(mdp, policy, gamma)
+    run.policies.append(policy)
+    run.evaluations.append(ev)
+    bar = p + TOL
+    run.region_sizes.append(int((np.less_equal(ev.F, bar)).sum()))
+    for _ in range(max_iterations):
+        nxt = improve(ev, p)
+        # Keep the current action where the new one is no better: a stable policy ends
+        # the run (ties would otherwise flip between equal actions for ever).
+        rows = np.arange(mdp.n_states)
+        inside = np.less_equal(ev.F, bar)
+        same = inside & (ev.Q[rows, nxt] <= ev.Q[rows, policy] + tol)
+        same |= ~inside & (ev.G[rows, nxt] >= ev.G[rows, policy] - tol)
+        nxt = np.where(same, policy, nxt)
+        if np.array_equal(nxt, policy):
+            break
+        new = evaluate(mdp, nxt, gamma)
+        old_region, new_region = np.less_equal(ev.F, bar), np.less_equal(new.F, bar)
+        run.region_monotone &= bool(np.all(new_region[old_region]))
+        run.value_monotone &= bool(np.all(new.V[old_region] >= ev.V[old_region] - 1e-7))
+        policy, ev = nxt, new
+        run.policies.append(policy)
+        run.evaluations.append(ev)
+        run.region_sizes.append(int((np.less_equal(ev.F, bar)).sum()))
+        run.iterations += 1
+    return run
+
+
+# -- the migration decision as a finite model -------------------------------------------
+
+ACTIONS = ("noop", "migrate", "restart")
+SLOWDOWNS = (0.0, 0.075, 0.15, 0.35, 0.75)  # bucket centres: none, 5-10%, 10-20%, 20-50%, >50%
+MAX_AGE = 3  # ticks; the last bucket is "this old or older"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_per_hour: int = 2  # migrations in the last hour beyond this break the limit
+    min_pool: int = 1  # ready standbys below this break it
+
+
+def migration_mdp(
+    *,
+    episodes_per_tick: float,
+    slowdown_weights: tuple[float, ...],
+    recover_hazard: tuple[float, ...],
+    pool: int = 2,
+    refill_per_tick: float = 0.5,
+    tick_s: float = 600.0,
+    live_s: float = 30.0,
+    restart_s: float = 900.0,
+    limits: Limits | None = None,
+) -> MDP:
+    """One job's decision every ``tick_s``. State ``(s, age, pool, recent)``: the worst
+    straggler's slowdown bucket (``SLOWDOWNS``), its age in ticks (up to ``MAX_AGE``),
+    ready standbys (up to ``pool``) and migrations started in the last hour (up to
+    ``max_per_hour + 1``, each leaving the count with chance ``tick_s / 3600`` a tick).
+
+    A straggler appears with chance ``episodes_per_tick`` when there is none, with a
+    slowdown bucket drawn by ``slowdown_weights`` (buckets 1..); one of age ``k`` ends
+    by itself with chance ``recover_hazard[k]``. ``migrate`` replaces its machine with
+    a ready standby (``live_s`` lost; the pool refills one a tick with chance
+    ``refill_per_tick``); ``restart`` restarts the job without it (``restart_s``
+    lost, no standby used). The reward is the tick's useful share of time: the job
+    runs at ``1 / (1 + s)``."""
+    lim = limits or Limits()
+    n_s, n_age, n_p, n_m = len(SLOWDOWNS), MAX_AGE + 1, pool + 1, lim.max_per_hour + 2
+    if len(slowdown_weights) != n_s - 1 or len(recover_hazard) != n_age:
+        raise ValueError("one weight per slow bucket, one hazard per age")
+    weights = np.asarray(slowdown_weights, dtype=float) / sum(slowdown_weights)
+    states = [(s, a, q, m) for s in range(n_s) for a in range(n_age)
+              for q in range(n_p) for m in range(n_m) if s or not a]  # fmt: skip
+    index = {x: i for i, x in enumerate(states)}
+    n = len(states)
+    P = np.zeros((len(ACTIONS), n, n))
+    r = np.zeros((n, len(ACTIONS)))
+    h = np.zeros(n)
+    decay = min(1.0, tick_s / 3600)
+
+    def spread(i: int, a: int, s: int, age: int, q: int, m: int, prob: float) -> None:
+        """Add ``prob`` of the straggler part (``s``, ``age``) to the pool refill and
+        the hourly count's decay."""
+        refill = [(min(pool, q + 1), refill_per_tick), (q, 1 - refill_per_tick)] if q < pool \
+            else [(q, 1.0)]  # fmt: skip
+        for q2, pq in refill:
+            for m2, pm in binomial_decay(m, decay):
+                P[a, i, index[(s, age if s else 0, q2, m2)]] += prob * pq * pm
+
+    for i, (s, age, q, m) in enumerate(states):
+        h[i] = 1.0 if (m > lim.max_per_hour or q < lim.min_pool) else 0.0
+        slow = SLOWDOWNS[s]
+        for a, name in enumerate(ACTIONS):
+            moved = name == "migrate" and s > 0 and q > 0
+            restarted = name == "restart" and s > 0
+            lost = live_s if moved else restart_s if restarted else 0.0
+            running = not (moved or restarted) and s > 0  # the straggler holds it back
+            r[i, a] = 1 / (1 + slow) if running else (tick_s - lost) / tick_s
+            q1 = q - 1 if moved else q
+            m1 = min(m + 1, n_m - 1) if moved else m
+            if moved or restarted or s == 0:  # no straggler now: one may come
+                spread(i, a, 0, 0, q1, m1, 1 - episodes_per_tick)
+                for b, w in enumerate(weights, start=1):
+                    spread(i, a, b, 0, q1, m1, episodes_per_tick * w)
+            else:
+                end = recover_hazard[age]
+                spread(i, a, 0, 0, q1, m1, end)
+                spread(i, a, s, min(age + 1, MAX_AGE), q1, m1, 1 - end)
+    return MDP(P, r, h, ACTIONS, tuple(states))
+
+
+def binomial_decay(m: int, p: float) -> list[tuple[int, float]]:
+    """Of ``m`` counted events, each leaves with chance ``p``: how many stay, and how
+    likely."""
+    return [(k, math.comb(m, k) * (1 - p) ** k * p ** (m - k)) for k in range(m + 1)]
