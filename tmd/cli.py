@@ -59,6 +59,12 @@ def _bench_downtime(argv: list[str]) -> int:
     return int(downtime.main(argv))
 
 
+def _bench_policy(argv: list[str]) -> int:
+    from tmd.tools.bench import policy
+
+    return policy.main(argv)
+
+
 def _bench_faults(argv: list[str]) -> int:
     from tmd.tools.bench import faults
 
@@ -88,6 +94,7 @@ _OWN_PARSERS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
     ("bench", "detect"): _bench_detect,
     ("bench", "downtime"): _bench_downtime,
     ("bench", "faults"): _bench_faults,
+    ("bench", "policy"): _bench_policy,
     ("sim",): _sim,
     ("launch",): _launch,
     ("store",): _store,
@@ -107,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_requests(sub)
     _add_demo(sub)
     sub.add_parser("version", help="print the version")
-    sub.add_parser("bench", help="benchmarks: `tmd bench ingest|detect|downtime|faults --help`")
+    benches = "ingest|detect|downtime|faults|policy"
+    sub.add_parser("bench", help=f"benchmarks: `tmd bench {benches} --help`")
     sub.add_parser("sim", help="the daemon against a simulated cluster: `tmd sim --help`")
     sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
     sub.add_parser("store", help="serve a job's TCPStore for torchrun/srun: `tmd store --help`")

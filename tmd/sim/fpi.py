@@ -39,6 +39,7 @@ restart without it; the limits: migrations per hour and the pool's minimum.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -196,6 +197,7 @@ def migration_mdp(
     recover_hazard: tuple[float, ...],
     pool: int = 2,
     refill_per_tick: float = 0.5,
+    drain_per_tick: float = 0.0,
     tick_s: float = 600.0,
     live_s: float = 30.0,
     restart_s: float = 900.0,
@@ -205,6 +207,9 @@ def migration_mdp(
     straggler's slowdown bucket (``SLOWDOWNS``), its age in ticks (up to ``MAX_AGE``),
     ready standbys (up to ``pool``) and migrations started in the last hour (up to
     ``max_per_hour + 1``, each leaving the count with chance ``tick_s / 3600`` a tick).
+    A machine failure the runtime fails over by itself takes a ready standby with chance
+    ``drain_per_tick`` a tick: no decision, but the pool's minimum is broken all the
+    same if a migration spent the spare.
 
     A straggler appears with chance ``episodes_per_tick`` when there is none, with a
     slowdown bucket drawn by ``slowdown_weights`` (buckets 1..); one of age ``k`` ends
@@ -230,11 +235,13 @@ def migration_mdp(
     def spread(i: int, a: int, s: int, age: int, q: int, m: int, prob: float) -> None:
         """Add ``prob`` of the straggler part (``s``, ``age``) to the pool refill and
         the hourly count's decay."""
-        refill = [(min(pool, q + 1), refill_per_tick), (q, 1 - refill_per_tick)] if q < pool \
-            else [(q, 1.0)]  # fmt: skip
-        for q2, pq in refill:
-            for m2, pm in binomial_decay(m, decay):
-                P[a, i, index[(s, age if s else 0, q2, m2)]] += prob * pq * pm
+        drained = [(q - 1, drain_per_tick), (q, 1 - drain_per_tick)] if q > 0 else [(q, 1.0)]
+        for qd, pd in drained:
+            refill = [(qd + 1, refill_per_tick), (qd, 1 - refill_per_tick)] if qd < pool \
+                else [(qd, 1.0)]  # fmt: skip
+            for q2, pq in refill:
+                for m2, pm in binomial_decay(m, decay):
+                    P[a, i, index[(s, age if s else 0, q2, m2)]] += prob * pd * pq * pm
 
     for i, (s, age, q, m) in enumerate(states):
         h[i] = 1.0 if (m > lim.max_per_hour or q < lim.min_pool) else 0.0
@@ -262,3 +269,70 @@ def binomial_decay(m: int, p: float) -> list[tuple[int, float]]:
     """Of ``m`` counted events, each leaves with chance ``p``: how many stay, and how
     likely."""
     return [(k, math.comb(m, k) * (1 - p) ** k * p ** (m - k)) for k in range(m + 1)]
+
+
+def from_sim(
+    *,
+    mix: str = "llama3",
+    gpus: int = 16384,
+    tick_s: float = 600.0,
+    pool: int = 3,
+    limits: Limits | None = None,
+    refill_s: float | None = None,
+) -> MDP:
+    """``migration_mdp`` with the simulator's numbers for a job of ``gpus``: fail-slow
+    episodes (``tmd.sim.mixes.load_failslow``: their rate per machine, lognormal
+    slowdowns and durations) become the arrival chance, the slowdown buckets' weights
+    and the hazard of ending by age; the mix's machine failures (XIDs, lost hosts)
+    the pool's drain; ``tmd.sim.cost`` the live migration, the restart (requeue,
+    start-up, load, half a checkpoint interval of work) and the refill (a cold
+    standby's provisioning, or ``refill_s``)."""
+    from tmd.sim import cost, mixes  # the simulator's data: the `sim` extra
+
+    m = mixes.load(mix)
+    fs = mixes.load_failslow()
+    machines = mixes.machines_for(m, gpus)
+    c = cost.at_scale(cost.load(None), gpus)
+    per_tick = tick_s / mixes.SECONDS_PER_DAY
+
+    def slowdown_cdf(x: float) -> float:
+        if x >= fs.slowdown_max:
+            return 1.0
+        return _lognormal_cdf(x, fs.slowdown_log_mean, fs.slowdown_log_sigma)
+
+    edges = [0.05, 0.10, 0.20, 0.50, math.inf]
+    mass = [slowdown_cdf(hi) - slowdown_cdf(lo) for lo, hi in itertools.pairwise(edges)]
+    seen = sum(mass)  # slowdowns under 5% are left out: no straggler to speak of
+    arrivals = machines * fs.episodes_per_node_day * per_tick * seen
+
+    def survive(t: float) -> float:
+        if t >= fs.duration_max_s:
+            return 0.0
+        return 1 - _lognormal_cdf(t, fs.duration_log_mean_s, fs.duration_log_sigma)
+
+    # Of one this many ticks old, the chance it ends within the tick (the last age
+    # stands for every older one: its hazard at that age).
+    hazard = tuple(
+        1 - survive((k + 1) * tick_s) / max(survive(k * tick_s), 1e-12) for k in range(MAX_AGE + 1)
+    )
+    lost_machines = sum(x.weight for x in m.causes if x.signal in ("xid", "node_lost"))
+    drain = machines * m.failures_per_node_day * lost_machines * per_tick
+    restart = c.requeue_s + c.restart_init_s + c.checkpoint_load_s + tick_s / 2
+    return migration_mdp(
+        episodes_per_tick=min(1.0, 1 - math.exp(-arrivals)),
+        slowdown_weights=tuple(mass),
+        recover_hazard=hazard,
+        pool=pool,
+        refill_per_tick=min(1.0, tick_s / (refill_s or c.cold_standby_s)),
+        drain_per_tick=min(1.0, 1 - math.exp(-drain)),
+        tick_s=tick_s,
+        live_s=c.live_migration_s,
+        restart_s=restart,
+        limits=limits,
+    )
+
+
+def _lognormal_cdf(x: float, mu: float, sigma: float) -> float:
+    if x <= 0:
+        return 0.0
+    return 0.5 * (1 + math.erf((math.log(x) - mu) / (sigma * math.sqrt(2))))

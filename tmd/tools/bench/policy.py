@@ -1,0 +1,184 @@
+"""``tmd bench policy``: the learned safe policy against the rebalance threshold policy
+and a Lagrangian one, on the finite model of the migration decision.
+
+The model (``tmd.sim.fpi.from_sim``): one job of ``--gpus`` GPUs deciding every
+``--tick-s`` from ``tmd sim``'s data (fail-slow episodes, machine failures that
+drain the standby pool, the cost model's migration, restart and refill times), with
+the limits of ``tmd.sim.fpi.Limits`` (migrations per hour, the pool's minimum).
+
+Three policies, each a table over the model's states:
+
+- ``fpi``: Feasible Policy Iteration (``tmd.sim.fpi.iterate``, exact, ``--p``),
+  started from the policy that always migrates (which breaks the limits), so the
+  feasible region has to grow;
+- ``rebalance``: what ``policies/rebalance.py`` and the guardrails do, as a table:
+  migrate a straggler of at least 10% once it has lasted a tick, if a standby beyond
+  the pool's minimum is ready and the hour's migrations are under the limit;
+- ``lagrangian``: the best policy for reward minus ``lambda`` per tick in breach of
+  a limit (policy iteration), ``lambda`` found by bisection as the smallest whose
+  discounted breaches from the start state are at most ``--risk``.
+
+Each is rolled out on the model for ``--days`` per seed on held-out seeds (the
+training is exact and uses none), counting the ticks in breach of a limit
+(``violations``), the job's useful GPU-hours (``goodput_gpu_h``), migrations and
+decisions per day. ``feasible_region_monotone``: whether FPI's region grew at every
+iteration (``region_sizes``) with the value inside it never falling.
+
+What it is not yet: the policies run on the model, not on ``tmd sim``'s engine with
+the real daemon; a network variant and ``[policies.fpi]`` deployment are to come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tmd.sim import fpi
+from tmd.sim.mixes import SECONDS_PER_DAY
+from tmd.tools.bench import Progress
+from tmd.tools.bench.measure import Load
+
+GAMMA = 0.99
+HELD_OUT = 1000  # rollout seeds start here; nothing was tuned on any
+
+
+def rebalance_table(mdp: fpi.MDP, limits: fpi.Limits) -> npt.NDArray[np.int64]:
+    migrate, noop = fpi.ACTIONS.index("migrate"), fpi.ACTIONS.index("noop")
+    out = np.full(mdp.n_states, noop, dtype=np.int64)
+    for i, (s, age, pool, recent) in enumerate(mdp.states):
+        slow_enough = fpi.SLOWDOWNS[s] >= 0.10 and age >= 1
+        if slow_enough and pool > limits.min_pool and recent < limits.max_per_hour:
+            out[i] = migrate
+    return out
+
+
+def lagrangian_table(
+    mdp: fpi.MDP, start: int, risk: float, *, iterations: int = 20
+) -> tuple[npt.NDArray[np.int64], float]:
+    """The smallest ``lambda`` (bisection) whose greedy policy on ``r - lambda * c``
+    keeps the discounted breaches from ``start`` at most ``risk``."""
+    c = (mdp.h > 0).astype(float)
+
+    def solve(lam: float) -> npt.NDArray[np.int64]:
+        """The optimal policy for ``r - lam * c``: policy iteration, exact."""
+        penalised = fpi.MDP(mdp.P, mdp.r - lam * c[:, None], np.zeros(mdp.n_states))
+        chosen = np.zeros(mdp.n_states, dtype=np.int64)
+        for _ in range(100):
+            q = fpi.evaluate(penalised, chosen, GAMMA).Q
+            rows = np.arange(mdp.n_states)
+            better = q.argmax(axis=1)
+            better = np.where(q[rows, better] > q[rows, chosen] + 1e-9, better, chosen)
+            if np.array_equal(better, chosen):
+                break
+            chosen = better.astype(np.int64)
+        return chosen
+
+    def breaches(policy: npt.NDArray[np.int64]) -> float:
+        rows = np.arange(mdp.n_states)
+        P = mdp.P[policy, rows, :]
+        return float(np.linalg.solve(np.eye(mdp.n_states) - GAMMA * P, c)[start])
+
+    lo, hi = 0.0, 1.0
+    while breaches(solve(hi)) > risk and hi < 1e6:
+        hi *= 4
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if breaches(solve(mid)) <= risk else (mid, hi)
+    return solve(hi), hi
+
+
+def rollout(
+    mdp: fpi.MDP, policy: npt.NDArray[np.int64], *, start: int, ticks: int, seed: int
+) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    cum = np.cumsum(mdp.P, axis=2)
+    x, breach, moves, restarts, reward = start, 0, 0, 0, 0.0
+    migrate, restart = fpi.ACTIONS.index("migrate"), fpi.ACTIONS.index("restart")
+    for _ in range(ticks):
+        a = int(policy[x])
+        moves += a == migrate and mdp.states[x][0] > 0 and mdp.states[x][2] > 0
+        restarts += a == restart and mdp.states[x][0] > 0
+        reward += float(mdp.r[x, a])
+        x = int(np.searchsorted(cum[a, x], rng.random(), side="right"))
+        x = min(x, mdp.n_states - 1)
+        breach += bool(mdp.h[x] > 0)
+    return {"violations": breach, "migrations": moves, "restarts": restarts, "reward": reward}
+
+
+def run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    limits = fpi.Limits(max_per_hour=args.max_per_hour, min_pool=args.min_pool)
+    mdp = fpi.from_sim(mix=args.mix, gpus=args.gpus, tick_s=args.tick_s, pool=args.pool,
+                       limits=limits, refill_s=args.refill_s)  # fmt: skip
+    start = mdp.states.index((0, 0, args.pool, 0))
+    t0 = time.process_time()
+    always = np.full(mdp.n_states, fpi.ACTIONS.index("migrate"), dtype=np.int64)
+    trained = fpi.iterate(mdp, p=args.p, gamma=GAMMA, start=always)
+    fpi_s = time.process_time() - t0
+    progress.say(f"fpi: {trained.iterations} iterations, regions {trained.region_sizes}")
+    t0 = time.process_time()
+    lagrangian, lam = lagrangian_table(mdp, start, args.risk)
+    lagrangian_s = time.process_time() - t0
+    tables = {"fpi": trained.policy, "rebalance": rebalance_table(mdp, limits),
+              "lagrangian": lagrangian}  # fmt: skip
+    ticks = int(args.days * SECONDS_PER_DAY / args.tick_s)
+    seeds = range(HELD_OUT, HELD_OUT + args.seeds)
+    out: dict[str, Any] = {}
+    for name, table in tables.items():
+        progress.say(f"rolling out {name}")
+        runs = [rollout(mdp, table, start=start, ticks=ticks, seed=s) for s in seeds]
+        days = args.days * len(runs)
+        useful_h = sum(r["reward"] for r in runs) * args.tick_s * args.gpus / 3600
+        decisions = sum(r["migrations"] + r["restarts"] for r in runs)
+        out[name] = {
+            "violations": sum(r["violations"] for r in runs),
+            "goodput_gpu_h": round(useful_h, 1),
+            "migrations": sum(r["migrations"] for r in runs),
+            "decisions_per_day": round(decisions / days, 2),
+        }
+    out.update(
+        feasible_region_monotone=trained.region_monotone,
+        value_monotone=trained.value_monotone,
+        region_sizes=trained.region_sizes,
+        states=mdp.n_states,
+        lagrangian_lambda=round(lam, 4),
+        train_s=round(fpi_s, 3),
+        lagrangian_train_s=round(lagrangian_s, 3),
+        p=args.p, risk=args.risk, gpus=args.gpus, tick_s=args.tick_s, pool=args.pool,
+        limits={"max_per_hour": limits.max_per_hour, "min_pool": limits.min_pool},
+        seeds=f"{seeds.start}..{seeds.stop - 1}", days_per_seed=args.days,
+    )  # fmt: skip
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tmd bench policy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--gpus", type=int, default=16384)
+    p.add_argument("--mix", default="llama3")
+    p.add_argument("--tick-s", type=float, default=600.0, help="decision interval")
+    p.add_argument("--pool", type=int, default=3, help="standby machines at most")
+    p.add_argument("--refill-s", type=float, default=None,
+                   help="a new standby's provisioning (default: the cost model's)")  # fmt: skip
+    p.add_argument("--max-per-hour", type=int, default=2)
+    p.add_argument("--min-pool", type=int, default=1)
+    p.add_argument("--p", type=float, default=0.0, help="FPI's feasibility threshold")
+    p.add_argument("--risk", type=float, default=0.01,
+                   help="the Lagrangian's bound on discounted breaches")  # fmt: skip
+    p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--days", type=float, default=54.0, help="per rollout seed")
+    p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
+    args = p.parse_args(argv)
+    if args.gpus < 1 or args.tick_s <= 0 or args.pool < 1 or not 0 <= args.p < 1:
+        p.error("--gpus >= 1, --tick-s > 0, --pool >= 1, --p in [0, 1)")
+    load = Load()
+    out = run(args, Progress())
+    out["host_load"] = load.as_dict()
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
