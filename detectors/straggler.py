@@ -430,8 +430,10 @@ class StragglerDetector(Detector):
                    else cfg.change_persist_steps)  # fmt: skip
         if not unit.flagged and unit.changed_for >= persist:
             what = f"rank {key}" if isinstance(key, int) else "its ranks' median"
+            # Many steps may have come in one tick: the run can be longer than the ring.
+            since = unit.steps[-min(unit.changed_for, len(unit.steps))][0]
             yield from self._flag(name, job, key, unit, now, slowdown=math.expm1(unit.change),
-                                  confidence=1.0, since=unit.steps[-unit.changed_for][0],
+                                  confidence=1.0, since=since,
                                   detail=f"{what}: busy {math.expm1(unit.change):+.1%} over "
                                   f"its own last {cfg.change_base_steps} steps, against its "
                                   "peers, from a sudden change")  # fmt: skip
