@@ -7,7 +7,8 @@ reference run (one, shared), and every journaled migration ended exactly once.
 The faults of the bench not run here are tested elsewhere, once: the paused broker in
 ``test_stale_view.py``, a joiner that dies while preparing in
 ``test_runtime_migration.py`` and a leaver that dies while its machine is joined in
-``test_runtime_machines.py``."""
+``test_runtime_machines.py``. The bench's three relay faults (commands duplicated,
+reordered, dropped) run here as one, ``ctl_mangled``, all three at once."""
 
 from __future__ import annotations
 
@@ -70,16 +71,18 @@ def test_a_daemon_killed_during_a_migration_finishes_it_exactly_once(
     assert r["outcomes"] == ["done"] and len(r["resumed"]) <= 1, r  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("fault", ["duplicated", "reordered", "dropped"])
 def test_control_messages_mangled_by_a_relay_still_migrate_once(
-    tmp_path: Path, reference: Reference, fault: str
+    tmp_path: Path, reference: Reference
 ) -> None:
     """The daemon and the job on brokers of their own, joined by a test-only relay that
-    delivers each command three times, in swapped pairs, or loses its first copy."""
-    r = survive(f"ctl_{fault}", tmp_path, reference)
+    loses the first copy of each command and delivers the others in swapped pairs,
+    three times each: the three relay faults of ``tmd bench faults`` at once (each
+    runs alone there)."""
+    r = survive("ctl_mangled", tmp_path, reference)
     relayed = r["relayed"]
     assert isinstance(relayed, dict), r
     taken, given = relayed["down"], relayed["delivered"]
-    assert taken > 0 and {"duplicated": given > taken, "reordered": given == taken,
-                          "dropped": given < taken}[fault], r  # fmt: skip
+    # Every copy after the first is delivered three times: more than came down, short
+    # of three times as many.
+    assert 0 < taken < given < 3 * taken, r
     assert r["outcomes"] == ["done"], r

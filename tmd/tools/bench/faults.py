@@ -82,6 +82,7 @@ FAULTS = (
     "ctl_duplicated",
     "ctl_reordered",
     "ctl_dropped",
+    "ctl_mangled",
 )
 
 
@@ -316,7 +317,9 @@ class Relay:
     - ``reordered``: commands are delivered in swapped pairs (the second of a pair
       before the first; a command left alone is delivered after 2 s);
     - ``dropped``: the first copy of each command (kind and migration id) is lost,
-      so only the daemon's resends arrive.
+      so only the daemon's resends arrive;
+    - ``mangled``: all three at once: the first copy lost, the others in swapped
+      pairs, each delivered three times.
     """
 
     UP = ("tmd/v1/node/#", "tmd/v1/job/+/status", "tmd/v1/job/+/ack",
@@ -357,13 +360,21 @@ class Relay:
         self.to_daemon.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)
 
     def _deliver(self, topic: str, payload: bytes) -> None:
+        if self.fault == "mangled":  # three times, the last 0.5 s later
+            self._once(topic, payload)
+            self._once(topic, payload)
+            self._later(0.5, topic, payload)
+        else:
+            self._once(topic, payload)
+
+    def _once(self, topic: str, payload: bytes) -> None:
         self.counts["delivered"] += 1
         self.to_job.publish(topic, payload, qos=1)
 
     def _later(self, delay_s: float, topic: str, payload: bytes) -> None:
         import threading
 
-        timer = threading.Timer(delay_s, self._deliver, (topic, payload))
+        timer = threading.Timer(delay_s, self._once, (topic, payload))
         timer.daemon = True
         timer.start()
         self._timers.append(timer)
@@ -377,12 +388,11 @@ class Relay:
                 self._deliver(topic, payload)
                 self._later(0.5, topic, payload)
             elif self.fault == "dropped":
-                message = json.loads(payload)
-                key = f"{message.get('cmd')} {message.get('migration_id')}".encode()
-                if key in self._seen:
+                if self._seen_before(payload):
                     self._deliver(topic, payload)
-                self._seen.add(key)
-            elif self.fault == "reordered":
+            elif self.fault == "mangled" and not self._seen_before(payload):
+                pass  # the first copy is lost; the resends go on, reordered
+            elif self.fault in ("reordered", "mangled"):
                 if self._held is None:
                     self._held = (topic, payload)
                     held = self._held
@@ -393,6 +403,15 @@ class Relay:
                     self._deliver(*first)
             else:
                 self._deliver(topic, payload)
+
+    def _seen_before(self, payload: bytes) -> bool:
+        """Whether a copy of this command (kind and migration id) came before; from
+        now on it has."""
+        message = json.loads(payload)
+        key = f"{message.get('cmd')} {message.get('migration_id')}".encode()
+        seen = key in self._seen
+        self._seen.add(key)
+        return seen
 
     def _later_flush(self, held: tuple[str, bytes]) -> None:
         import threading
@@ -764,6 +783,7 @@ _INJECTORS: dict[str, Callable[[Stack], dict[str, Any]]] = {
     "ctl_duplicated": _through_relay,
     "ctl_reordered": _through_relay,
     "ctl_dropped": _through_relay,
+    "ctl_mangled": _through_relay,
 }
 
 
