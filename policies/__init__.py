@@ -11,10 +11,11 @@ from tmd.policies.alert import AlertPolicy
 from tmd.policies.base import Policy
 from tmd.policies.drain import DrainPolicy
 from tmd.policies.failover import FailoverPolicy
+from tmd.policies.fpi import FpiPolicy
 from tmd.policies.rebalance import RebalancePolicy
 
 BUILTIN: dict[str, type[Policy]] = {
-    p.name: p for p in (AlertPolicy, DrainPolicy, FailoverPolicy, RebalancePolicy)
+    p.name: p for p in (AlertPolicy, DrainPolicy, FailoverPolicy, FpiPolicy, RebalancePolicy)
 }
 
 __all__ = ["BUILTIN", "Policy"]

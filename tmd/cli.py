@@ -77,6 +77,12 @@ def _sim(argv: list[str]) -> int:
     return cli.main(argv)
 
 
+def _policy_train(argv: list[str]) -> int:
+    from tmd.sim import train
+
+    return train.main(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from tmd.runtime import launch
 
@@ -96,6 +102,7 @@ _OWN_PARSERS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
     ("bench", "faults"): _bench_faults,
     ("bench", "policy"): _bench_policy,
     ("sim",): _sim,
+    ("policy", "train"): _policy_train,
     ("launch",): _launch,
     ("store",): _store,
 }
@@ -117,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     benches = "ingest|detect|downtime|faults|policy"
     sub.add_parser("bench", help=f"benchmarks: `tmd bench {benches} --help`")
     sub.add_parser("sim", help="the daemon against a simulated cluster: `tmd sim --help`")
+    sub.add_parser("policy", help="the learned policy: `tmd policy train --help`")
     sub.add_parser("launch", help="launch a local training job: `tmd launch --help`")
     sub.add_parser("store", help="serve a job's TCPStore for torchrun/srun: `tmd store --help`")
     return p
@@ -370,6 +378,7 @@ _VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _demo,
     "version": _version,
     "bench": _needs_subcommand,  # `tmd bench` alone; its benchmarks have their own parsers
+    "policy": _needs_subcommand,
 }
 
 

@@ -3,8 +3,10 @@ runner that wraps every one of them.
 
 A plug-in is a class with a ``name``, a ``Config`` dataclass (its ``[detectors.NAME]``
 or ``[policies.NAME]`` table), the event types it ``consumes`` and an optional
-``tick_interval``. Its constructor validates and opens what it needs, so a bad config
-fails at start; ``observe`` and ``tick`` are plain synchronous functions that return
+``tick_interval``. Its ``Config``'s ``validate()`` runs for every table, enabled or
+not, and ``validate_enabled()``, if it has one, for an enabled plug-in only (what only
+a running plug-in needs, a model file, say); its constructor opens what it needs, so a
+bad config fails at start; ``observe`` and ``tick`` are plain synchronous functions that return
 new events, with the time passed in, so the simulator can drive them without asyncio.
 
 Built-ins are listed explicitly in ``tmd.detectors.BUILTIN`` / ``tmd.policies.BUILTIN``;
@@ -124,6 +126,10 @@ def configure(
         if callable(validate):
             validate()
         if enabled:
+            # What only an enabled plug-in needs (a model file, say) is checked here.
+            needed = getattr(cfg, "validate_enabled", None)
+            if callable(needed):
+                needed()
             specs.append(Spec(kind, name, factory, cfg))
     return specs
 

@@ -336,3 +336,34 @@ def _lognormal_cdf(x: float, mu: float, sigma: float) -> float:
     if x <= 0:
         return 0.0
     return 0.5 * (1 + math.erf((math.log(x) - mu) / (sigma * math.sqrt(2))))
+
+
+# -- a trained table, for the ``fpi`` policy ------------------------------------------
+
+MODEL_VERSION = 1
+SLOWDOWN_EDGES = (0.05, 0.10, 0.20, 0.50)  # the buckets of SLOWDOWNS: under 5% is none
+
+
+def export(
+    mdp: MDP, run: Run, *, p: float, gamma: float, about: dict[str, object]
+) -> dict[str, object]:
+    """The trained policy as the ``fpi`` policy reads it (``policies/fpi.py``): per
+    state its action, ``F`` and ``Q``; the state's buckets; what it was trained for
+    (``about``: GPUs, tick, pool, limits), so it can tell a state outside them."""
+    ev = run.evaluations[-1]
+    return {
+        "version": MODEL_VERSION,
+        "algorithm": "feasible policy iteration, exact, tabular (arXiv 2304.08845)",
+        "p": p,
+        "gamma": gamma,
+        "actions": list(mdp.actions),
+        "slowdown_edges": list(SLOWDOWN_EDGES),
+        "max_age": MAX_AGE,
+        "states": [list(x) for x in mdp.states],
+        "policy": [int(a) for a in run.policy],
+        "F": [round(float(f), 6) + 0.0 for f in ev.F],  # + 0.0: no -0 from the solver
+        "Q": [[round(float(q), 6) + 0.0 for q in row] for row in ev.Q],
+        "region_sizes": run.region_sizes,
+        "region_monotone": run.region_monotone,
+        **about,
+    }
