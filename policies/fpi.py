@@ -159,11 +159,11 @@ class FpiPolicy(Policy):
                    f"Q {q[action]:.4g} vs hold {q[0]:.4g}")  # fmt: skip
         if name == "migrate" and ready:
             yield events.Migrate(ts=now, policy=self.name, job=job, node=node,
-                                 reason=f"fpi: migrate: {numbers}")  # fmt: skip
+                                 reason=f"migrate: {numbers}")  # fmt: skip
         elif name == "restart":
-            why = f"fpi: restart without it: {numbers}"
+            why = f"restart without it: {numbers}"
             yield events.CheckpointRestart(ts=now, policy=self.name, job=job, node=node,
                                            reason=why)  # fmt: skip
         else:
             yield events.Hold(ts=now, policy=self.name, job=job, node=node,
-                              reason=f"fpi: hold: {numbers}")  # fmt: skip
+                              reason=f"hold: {numbers}")  # fmt: skip

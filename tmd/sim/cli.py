@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", type=int, default=None, help=pools)
     p.add_argument("--rebalance-min", type=float, default=d.rebalance_min,
                    help="the rebalance policy's interval (%(default)s)")  # fmt: skip
+    p.add_argument("--policy", choices=("rebalance", "fpi"), default=d.policy,
+                   help="what decides about stragglers: the rebalance policy, or the "
+                   "learned one (FPI, trained for this run first) (%(default)s)")  # fmt: skip
     p.add_argument("--window", type=int, default=d.window,
                    help="machines the daemon sees (module docstring; %(default)s)")  # fmt: skip
     p.add_argument("--step-s", type=float, default=None, help="step time (default: the model's)")
@@ -87,7 +90,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         gpus=args.gpus, days=args.days, seed=args.seed, mix=args.mix, pool=pool,
         rebalance_min=args.rebalance_min, window=args.window, step_s=args.step_s,
         downtime=args.downtime, failslow=not args.no_failslow, planned=not args.no_planned,
-        slow_machines=args.slow_machines,
+        slow_machines=args.slow_machines, policy=args.policy,
         signals=tuple(x for x in args.signals.split(",") if x),
     )  # fmt: skip
 

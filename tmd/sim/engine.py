@@ -110,7 +110,8 @@ class Settings:
     seed: int = 0
     mix: str = "llama3"
     pool: int = 16  # standby machines
-    rebalance_min: float = 10.0  # the rebalance policy's interval
+    rebalance_min: float = 10.0  # the rebalance policy's interval (the fpi policy's tick)
+    policy: str = "rebalance"  # or "fpi": the learned policy decides about stragglers
     failslow: bool = True
     planned: bool = True
     window: int = 8  # machines the daemon sees
@@ -239,7 +240,7 @@ class Simulation:
         self.config = config_mod.from_dict({
             "journal": {"path": str(journal_dir / "journal.sqlite3")},
             "ingest": {"max_ranks_per_job": max(1024, self.window * self.k)},
-            "policies": {"rebalance": {"interval_min": self.s.rebalance_min}},
+            "policies": self._straggler_policy(journal_dir),
         })  # fmt: skip
         c = self.config
         self.clock = SimClock()
@@ -264,6 +265,22 @@ class Simulation:
         self._last_tick: dict[str, float] = {}
         self.decisions: Counter[str] = Counter()
         self.findings: Counter[str] = Counter()
+
+    def _straggler_policy(self, folder: Path) -> dict[str, dict[str, Any]]:
+        """The policy that decides about stragglers: ``rebalance``, or ``fpi`` with a
+        table trained for this job's size, pool and tick (``tmd policy train``'s)."""
+        if self.s.policy == "rebalance":
+            return {"rebalance": {"interval_min": self.s.rebalance_min}}
+        if self.s.policy != "fpi":
+            raise ValueError(f"unknown policy {self.s.policy!r}: rebalance or fpi")
+        from tmd.sim import train
+
+        model = folder / "fpi.json"
+        # Trained on the whole job's failures, for the window of it the daemon sees.
+        train.main(["--out", str(model), "--gpus", str(self.s.gpus), "--mix", self.s.mix,
+                    "--tick-s", str(self.s.rebalance_min * 60),
+                    "--seen-ranks", str(self.window * self.k)], quiet=True)  # fmt: skip
+        return {"rebalance": {"enabled": False}, "fpi": {"enabled": True, "model": str(model)}}
 
     def _emit(self, event: events.Event, source: str) -> None:
         now = self.clock.now()
@@ -716,6 +733,7 @@ class Simulation:
             "seed": self.s.seed,
             "mix": self.mix.name,
             "standby_pool": self.s.pool,
+            "policy": self.s.policy,
             "failures": dict(Counter(f.signal for f in self.failures)),
             "by_cause": {
                 m: {k: round(v * gpu_h, 1) for k, v in sorted(x.items()) if v}

@@ -17,7 +17,7 @@ from tmd.sim import fpi
 GAMMA = 0.99
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, quiet: bool = False) -> int:
     p = argparse.ArgumentParser(prog="tmd policy train", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="where to write the model (JSON)")
     p.add_argument("--gpus", type=int, default=16384, help="the jobs' size it is for")
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-per-hour", type=int, default=2)
     p.add_argument("--min-pool", type=int, default=1)
     p.add_argument("--p", type=float, default=0.0, help="the feasibility threshold")
+    p.add_argument("--seen-ranks", type=int, default=None,
+                   help="the job size the daemon sees, where not --gpus (tmd sim shows it "
+                   "a window of the job): what the policy takes for its own")  # fmt: skip
     args = p.parse_args(argv)
     if args.gpus < 1 or args.tick_s <= 0 or args.pool < 1 or not 0 <= args.p < 1:
         p.error("--gpus >= 1, --tick-s > 0, --pool >= 1, --p in [0, 1)")
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     always = np.full(mdp.n_states, fpi.ACTIONS.index("migrate"), dtype=np.int64)
     run = fpi.iterate(mdp, p=args.p, gamma=GAMMA, start=always)
     about: dict[str, object] = {
-        "gpus": args.gpus, "mix": args.mix, "tick_s": args.tick_s, "pool": args.pool,
+        "gpus": args.seen_ranks or args.gpus, "trained_gpus": args.gpus, "mix": args.mix,
+        "tick_s": args.tick_s, "pool": args.pool,
         "limits": {"max_per_hour": limits.max_per_hour, "min_pool": limits.min_pool},
         "train_s": round(time.process_time() - t0, 3),
     }  # fmt: skip
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"out": str(args.out), "states": mdp.n_states, "iterations": run.iterations,
                "region_sizes": run.region_sizes, "region_monotone": run.region_monotone,
                "train_s": about["train_s"]}  # fmt: skip
-    json.dump(summary, sys.stdout)
-    sys.stdout.write("\n")
+    if not quiet:
+        json.dump(summary, sys.stdout)
+        sys.stdout.write("\n")
     return 0

@@ -61,7 +61,7 @@ def test_it_migrates_when_the_table_says_so_and_says_why(model: Path) -> None:
     slow(p, "n1", 0.35)
     [decision] = p.tick(T0 + TICK)
     assert isinstance(decision, events.Migrate) and decision.node == "n1"
-    assert decision.reason.startswith("fpi: migrate: n1 +35%")
+    assert decision.reason.startswith("migrate: n1 +35%")
     assert "state (3, 1, 2, 0), F 0 (p 0)" in decision.reason and "vs hold" in decision.reason
 
 
@@ -72,7 +72,7 @@ def test_it_holds_once_the_hour_s_migrations_are_spent(model: Path) -> None:
                                            to=f"s{i}", outcome="done"), T0 + i)  # fmt: skip
     slow(p, "n1", 0.35)
     [decision] = p.tick(T0 + TICK)
-    assert isinstance(decision, events.Hold) and decision.reason.startswith("fpi: hold: ")
+    assert isinstance(decision, events.Hold) and decision.reason.startswith("hold: ")
     assert "2 moved this hour: state (3, 1, 2, 2)" in decision.reason
     # An hour on, the count has gone: it moves the machine.
     [later] = p.tick(T0 + 3601 + TICK)

@@ -89,6 +89,20 @@ def test_a_slow_machine_is_found_and_moved_live_by_the_rebalance_policy(tmp_path
     assert result["ettr"] > result["ettr_checkpoint_restart"]
 
 
+def test_with_policy_fpi_the_learned_table_moves_the_slow_machine(tmp_path: Path) -> None:
+    """``tmd sim --policy fpi``: the ``fpi`` policy, with a table trained for this run,
+    decides in place of ``rebalance``, through the same actuator."""
+    slow = mixes.Failure(t_s=600.0, cause="network_congestion", signal="straggler", machine=3,
+                         xid=None, slowdown=0.3, duration_s=4 * 3600.0)  # fmt: skip
+    sim = scripted([slow], tmp_path, policy="fpi")
+    assert not any(isinstance(p, RebalancePolicy) for p in sim.plugins)
+    result = sim.run()
+    assert "tmd.policies.fpi.FpiPolicy" in result["plugins"] and result["policy"] == "fpi"
+    [(leaver, state, reason)] = migrations(tmp_path)
+    assert (leaver, state) == ("node-00003", "done") and reason.startswith("fpi: migrate")
+    assert "F 0 (p 0)" in reason and result["live_migrations"] == 1
+
+
 def test_a_fatal_xid_is_found_and_the_machine_replaced_from_the_pool(tmp_path: Path) -> None:
     fault = mixes.Failure(t_s=3600.0, cause="faulty_gpu", signal="xid", machine=1, xid=79,
                           slowdown=0.0, duration_s=0.0)  # fmt: skip
