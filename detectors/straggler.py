@@ -52,6 +52,7 @@ pure functions ``thresholds`` and ``score``. Ranks that fall more than
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -70,6 +71,7 @@ MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in si
 SPREAD_EVERY = 8  # steps between two estimates of the peers' spread ...
 SPREAD_POOL = 32  # ... and how many recent estimates its median pools (256 steps)
 CHANGE_POOL = 64  # steps of the machines' change spread the change path pools
+CHANGE_OFF = 100.0  # a change z-score this high turns that change path off (not computed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +171,12 @@ def interquartile_mean(values: list[float]) -> float:
 _MAD_SMALL_N = {2: 1.196, 3: 1.495, 4: 1.363, 5: 1.206, 6: 1.200, 7: 1.140, 8: 1.129, 9: 1.107}
 
 
+def _sorted_median(ordered: list[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def robust_spread(values: list[float]) -> float:
     """Standard deviation estimated as 1.4826 x the median absolute deviation, with the
     small-sample correction: the stragglers among the values do not inflate it, and a
@@ -231,8 +239,25 @@ class _Unit:
     # The change path (machines): each step's median over the machine's ranks, and how
     # many steps in a row its change stood out, with the last change (log units).
     steps: deque[tuple[int, float]] = field(default_factory=deque)
+    before: list[float] = field(default_factory=list)  # the steps' older part, sorted
     changed_for: int = 0
     change: float = 0.0
+
+    def push(self, step: int, value: float, recent: int) -> None:
+        """Add a step to the change path's ring; ``before`` keeps the values older than
+        the last ``recent`` sorted, so its median costs no sort per step."""
+        steps = self.steps
+        if steps.maxlen is not None and len(steps) == steps.maxlen:
+            _, gone = steps[0]
+            del self.before[bisect.bisect_left(self.before, gone)]
+        steps.append((step, value))
+        if len(steps) > recent:
+            bisect.insort(self.before, steps[-recent - 1][1])
+
+    def forget(self) -> None:
+        self.steps.clear()
+        self.before.clear()
+        self.changed_for = 0
 
 
 @dataclass
@@ -310,6 +335,7 @@ class StragglerDetector(Detector):
         """Append every rank's and every machine's value for ``step``; a machine's is
         the mean over those of its ranks (``machines``) that reported the step."""
         cfg = self.config
+        ranks_change = cfg.rank_change_zscore < CHANGE_OFF
         logs: dict[int, float] = {}
         for r, state in vjob.ranks.items():
             busy = state.busy_at(step)
@@ -317,7 +343,7 @@ class StragglerDetector(Detector):
                 logs[r] = math.log(busy)
         if len(logs) < cfg.min_ranks:
             return
-        median = statistics.median(logs.values())
+        median = _sorted_median(sorted(logs.values()))
         by_node: dict[str, list[tuple[int, float]]] = {}
         for r, v in logs.items():
             unit = job.ranks.get(r)
@@ -325,10 +351,12 @@ class StragglerDetector(Detector):
                 unit = job.ranks[r] = _Unit(vjob.ranks[r].node, deque(maxlen=cfg.window_steps))
                 unit.steps = deque(maxlen=cfg.change_base_steps + cfg.change_steps)
             unit.window.append((step, v - median))
-            unit.steps.append((step, v - median))
+            if ranks_change:
+                unit.push(step, v - median, cfg.change_steps)
             touched.add(r)
             by_node.setdefault(unit.node, []).append((r, v - median))
-        self._changes(job.ranks, job.rank_change_spreads, step, cfg.rank_change_zscore)
+        if ranks_change:
+            self._changes(job.ranks, job.rank_change_spreads, step, cfg.rank_change_zscore)
         if len(by_node) < cfg.min_ranks or all(len(m) == 1 for m in machines.values()):
             return  # too few machines to compare, or one rank each: the ranks say it all
         for node, values in by_node.items():
@@ -340,12 +368,13 @@ class StragglerDetector(Detector):
             if members != unit.members:
                 # Other ranks placed on it: its history is another machine's.
                 unit.window.clear()
-                unit.steps.clear()
-                unit.members, unit.hot_since, unit.changed_for = members, None, 0
+                unit.forget()
+                unit.members, unit.hot_since = members, None
             unit.window.append((step, sum(v for _, v in values) / len(values)))
-            unit.steps.append((step, statistics.median(v for _, v in values)))
+            unit.push(step, _sorted_median(sorted(v for _, v in values)), cfg.change_steps)
             touched.add(node)
-        self._changes(job.machines, job.change_spreads, step, cfg.change_zscore)
+        if cfg.change_zscore < CHANGE_OFF:
+            self._changes(job.machines, job.change_spreads, step, cfg.change_zscore)
 
     def _changes(
         self, units: Mapping[K, _Unit], spreads: deque[float], step: int, zscore: float
@@ -362,15 +391,15 @@ class StragglerDetector(Detector):
         need = cfg.change_base_steps + cfg.change_steps
         changes: dict[K, float] = {}
         for key, unit in units.items():
-            if len(unit.steps) < need or unit.steps[-1][0] != step:
+            steps = unit.steps
+            if len(steps) < need or steps[-1][0] != step:
                 unit.changed_for = 0
                 continue
-            values = [v for _, v in unit.steps]
-            recent = statistics.median(values[-cfg.change_steps :])
-            changes[key] = recent - statistics.median(values[: -cfg.change_steps])
+            recent = _sorted_median(sorted(steps[-i][1] for i in range(1, cfg.change_steps + 1)))
+            changes[key] = recent - _sorted_median(unit.before)
         if len(changes) < cfg.min_ranks:
             return
-        center = statistics.median(changes.values())
+        center = _sorted_median(sorted(changes.values()))
         spreads.append(robust_spread(list(changes.values())))
         if len(spreads) < CHANGE_POOL:
             return  # the peers' changes are not known well enough yet
@@ -417,8 +446,8 @@ class StragglerDetector(Detector):
                     yield from self._unflag(name, job, unit.node, old, now, f"rank {r} moved away")
                 unit.node = state.node
                 unit.window.clear()
-                unit.steps.clear()
-                unit.hot_since, unit.changed_for = None, 0
+                unit.forget()
+                unit.hot_since = None
 
     def _unit(self, job: _Job, key: Key) -> _Unit:
         return job.ranks[key] if isinstance(key, int) else job.machines[key]

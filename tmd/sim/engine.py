@@ -73,6 +73,7 @@ from tmd.daemon.journal import Journal
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.plugins import Context, Plugin
 from tmd.daemon.view import ClusterView
+from tmd.detectors import straggler
 from tmd.sim import cost, mixes, protocol
 from tmd.tools import traces
 
@@ -241,6 +242,10 @@ class Simulation:
             "journal": {"path": str(journal_dir / "journal.sqlite3")},
             "ingest": {"max_ranks_per_job": max(1024, self.window * self.k)},
             "policies": self._straggler_policy(journal_dir),
+            # The simulated slowdowns are whole machines (every rank of one): the rank
+            # change path, for one slow GPU, has nothing to find here, and off it
+            # halves what the detector costs the simulation.
+            "detectors": {"straggler": {"rank_change_zscore": straggler.CHANGE_OFF}},
         })  # fmt: skip
         c = self.config
         self.clock = SimClock()
@@ -276,9 +281,13 @@ class Simulation:
         from tmd.sim import train
 
         model = folder / "fpi.json"
-        # Trained on the whole job's failures, for the window of it the daemon sees.
+        # Trained on the whole job's failures, for the window of it the daemon sees,
+        # within the guardrails' limits (what rebalance runs behind).
+        guard = config_mod.GuardrailsConfig()
         train.main(["--out", str(model), "--gpus", str(self.s.gpus), "--mix", self.s.mix,
                     "--tick-s", str(self.s.rebalance_min * 60),
+                    "--max-per-hour", str(guard.max_per_hour),
+                    "--min-pool", str(guard.min_standby_pool),
                     "--seen-ranks", str(self.window * self.k)], quiet=True)  # fmt: skip
         return {"rebalance": {"enabled": False}, "fpi": {"enabled": True, "model": str(model)}}
 

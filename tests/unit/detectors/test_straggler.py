@@ -259,3 +259,20 @@ def test_robust_spread_is_the_sigma_of_the_bulk_not_of_the_outliers() -> None:
 def test_bad_config_fails_at_start(key: str, value: float) -> None:
     with pytest.raises(ConfigError, match=key):
         StragglerConfig(**{key: value}).validate()  # type: ignore[arg-type]
+
+
+def test_the_change_path_s_ring_keeps_its_older_part_sorted() -> None:
+    import random
+    from collections import deque
+
+    from tmd.detectors.straggler import _Unit
+
+    rng = random.Random(5)
+    unit = _Unit("n", deque(maxlen=24))
+    unit.steps = deque(maxlen=36)
+    for step in range(200):
+        unit.push(step, rng.gauss(0, 1), 4)
+        values = [v for _, v in unit.steps]
+        assert unit.before == sorted(values[:-4])
+    unit.forget()
+    assert not unit.steps and not unit.before and unit.changed_for == 0
