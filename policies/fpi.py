@@ -123,6 +123,8 @@ class FpiPolicy(Policy):
                 if k[0] not in jobs or k[1] not in jobs[k[0]].members.values()]  # fmt: skip
         for key in gone:
             del self._stragglers[key]  # it left the job another way
+        for job in [j for j in self._done if j not in jobs]:
+            del self._done[job]  # the view forgot the job
         worst: dict[str, tuple[str, _Straggler]] = {}
         for (job, node), s in self._stragglers.items():
             if job not in worst or s.slowdown > worst[job][1].slowdown:
