@@ -6,7 +6,12 @@ then holds for want of a standby."""
 
 from __future__ import annotations
 
-from tmd.daemon.view import ClusterView
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tmd.daemon import events
+from tmd.daemon.view import ClusterView, JobView
 from tmd.plugins import Plugin
 
 
@@ -20,3 +25,39 @@ class Policy(Plugin):
 def jobs_on(view: ClusterView, node: str) -> list[str]:
     """Jobs that have ``node`` among their members, by the jobs' own status."""
     return sorted(name for name, job in view.jobs.items() if node in job.members.values())
+
+
+@dataclass
+class Straggler:
+    since: float  # when it was found
+    slowdown: float
+
+
+class Stragglers:
+    """Each job's slow machines as the straggler detector reported them, what the
+    policies that replace stragglers (``rebalance``, ``fpi``) decide about: found,
+    cleared, gone once its migration finished done or it left the job another way."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, str], Straggler] = {}  # (job, node)
+
+    def observe(self, event: Any, now: float) -> None:
+        key = (event.job, event.node)
+        if isinstance(event, events.StragglerFound):
+            self.by_key[key] = Straggler(now, event.slowdown)
+        elif isinstance(event, events.StragglerCleared):
+            self.by_key.pop(key, None)
+        elif isinstance(event, events.MigrationFinished) and event.outcome == "done":
+            self.by_key.pop(key, None)  # the machine left the job
+        # An aborted or failed migration left the machine in the job, as slow as it
+        # was and flagged once (the detector does not find it again): kept, so a later
+        # tick tries again. Found by ``tmd sim``: a runtime failover elsewhere in the
+        # job aborts a planned move.
+
+    def forget_gone(self, jobs: Mapping[str, JobView]) -> None:
+        """Forget those whose machine left its job another way (the runtime's failover
+        replaced it, the job restarted without it)."""
+        gone = [k for k in self.by_key
+                if k[0] in jobs and k[1] not in jobs[k[0]].members.values()]  # fmt: skip
+        for key in gone:
+            del self.by_key[key]

@@ -28,7 +28,7 @@ from typing import Any
 from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
-from tmd.policies.base import Policy
+from tmd.policies.base import Policy, Straggler, Stragglers
 
 MODEL_VERSION = 1
 SIZE_RANGE = 2.0  # a job within this factor of the model's GPUs is what it knows
@@ -85,12 +85,6 @@ def load_model(path: str) -> Model:
         raise ConfigError(key, f"cannot read {path}: {exc}") from exc
 
 
-@dataclass
-class _Straggler:
-    since: float
-    slowdown: float
-
-
 class FpiPolicy(Policy):
     name = "fpi"
     Config = FpiConfig
@@ -102,37 +96,29 @@ class FpiPolicy(Policy):
         super().__init__(config, context=context)
         self.model = load_model(config.model)
         self.tick_interval = timedelta(seconds=self.model.tick_s)  # type: ignore[misc]
-        self._stragglers: dict[tuple[str, str], _Straggler] = {}
+        self._stragglers = Stragglers()
         self._done: dict[str, deque[float]] = {}  # job -> when its migrations finished done
 
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:
-        key = (event.job, event.node)
-        if isinstance(event, events.StragglerFound):
-            self._stragglers[key] = _Straggler(now, event.slowdown)
-        elif isinstance(event, events.StragglerCleared):
-            self._stragglers.pop(key, None)
-        elif isinstance(event, events.MigrationFinished) and event.outcome == "done":
-            self._stragglers.pop(key, None)
-            if event.to:  # a migration, not a restart
-                self._done.setdefault(event.job, deque(maxlen=64)).append(now)
+        self._stragglers.observe(event, now)
+        done = isinstance(event, events.MigrationFinished) and event.outcome == "done"
+        if done and event.to:  # a migration, not a restart
+            self._done.setdefault(event.job, deque(maxlen=64)).append(now)
         return ()
 
     def tick(self, now: float) -> Iterable[events.Event]:
         jobs = self.context.view.jobs
-        gone = [k for k in self._stragglers
-                if k[0] not in jobs or k[1] not in jobs[k[0]].members.values()]  # fmt: skip
-        for key in gone:
-            del self._stragglers[key]  # it left the job another way
+        self._stragglers.forget_gone(jobs)
         for job in [j for j in self._done if j not in jobs]:
             del self._done[job]  # the view forgot the job
-        worst: dict[str, tuple[str, _Straggler]] = {}
-        for (job, node), s in self._stragglers.items():
+        worst: dict[str, tuple[str, Straggler]] = {}
+        for (job, node), s in self._stragglers.by_key.items():
             if job not in worst or s.slowdown > worst[job][1].slowdown:
                 worst[job] = (node, s)
         for job, (node, s) in sorted(worst.items()):
             yield from self._decide(job, node, s, now)
 
-    def _decide(self, job: str, node: str, s: _Straggler, now: float) -> Iterator[events.Event]:
+    def _decide(self, job: str, node: str, s: Straggler, now: float) -> Iterator[events.Event]:
         m = self.model
         view = self.context.view
         ranks = view.jobs[job].world_size if job in view.jobs else 0

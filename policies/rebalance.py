@@ -22,7 +22,7 @@ from typing import Any
 from tmd.daemon import events
 from tmd.errors import ConfigError
 from tmd.plugins import Context
-from tmd.policies.base import Policy
+from tmd.policies.base import Policy, Straggler, Stragglers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,12 +41,6 @@ class RebalanceConfig:
             raise ConfigError("policies.rebalance.persist_s", "must be >= 0")
 
 
-@dataclass
-class _Straggler:
-    since: float
-    slowdown: float
-
-
 class RebalancePolicy(Policy):
     name = "rebalance"
     Config = RebalanceConfig
@@ -56,23 +50,14 @@ class RebalancePolicy(Policy):
     def __init__(self, config: RebalanceConfig, *, context: Context) -> None:
         super().__init__(config, context=context)
         self.tick_interval = timedelta(minutes=config.interval_min)  # type: ignore[misc]
-        self._stragglers: dict[tuple[str, str], _Straggler] = {}
+        self._stragglers = Stragglers()
         self._downtimes: deque[float] = deque(maxlen=32)
 
     def observe(self, event: Any, now: float) -> Iterable[events.Event]:
-        key = (event.job, event.node)
-        if isinstance(event, events.StragglerFound):
-            self._stragglers[key] = _Straggler(now, event.slowdown)
-        elif isinstance(event, events.StragglerCleared):
-            self._stragglers.pop(key, None)
-        elif isinstance(event, events.MigrationFinished) and event.outcome == "done":
-            self._stragglers.pop(key, None)  # the machine left the job
-            if event.downtime_s is not None:
-                self._downtimes.append(event.downtime_s)
-        # An aborted or failed migration left the machine in the job, as slow as it was
-        # and flagged once (the detector does not find it again): kept, so a later tick
-        # tries again (the guardrails' cooldown on the machine applies). Found by
-        # ``tmd sim``: a runtime failover elsewhere in the job aborts a planned move.
+        self._stragglers.observe(event, now)  # an aborted move's is kept, to try again
+        done = isinstance(event, events.MigrationFinished) and event.outcome == "done"
+        if done and event.downtime_s is not None:
+            self._downtimes.append(event.downtime_s)
         return ()
 
     def expected_cost_s(self) -> float:
@@ -82,20 +67,15 @@ class RebalancePolicy(Policy):
         return base * self.config.safety_factor
 
     def tick(self, now: float) -> Iterable[events.Event]:
-        # A machine that left its job another way (the runtime's failover replaced it,
-        # the job restarted without it) is no straggler of that job any more.
-        jobs = self.context.view.jobs
-        for job, node in [k for k in self._stragglers
-                          if k[0] in jobs and k[1] not in jobs[k[0]].members.values()]:  # fmt: skip
-            del self._stragglers[(job, node)]
-        by_job: dict[str, list[tuple[str, _Straggler]]] = {}
-        for (job, node), s in self._stragglers.items():
+        self._stragglers.forget_gone(self.context.view.jobs)
+        by_job: dict[str, list[tuple[str, Straggler]]] = {}
+        for (job, node), s in self._stragglers.by_key.items():
             by_job.setdefault(job, []).append((node, s))
         for job, stragglers in sorted(by_job.items()):
             yield from self._decide(job, stragglers, now)
 
     def _decide(
-        self, job: str, stragglers: list[tuple[str, _Straggler]], now: float
+        self, job: str, stragglers: list[tuple[str, Straggler]], now: float
     ) -> Iterator[events.Event]:
         cfg = self.config
         ripe = [(n, s) for n, s in stragglers if now - s.since >= cfg.persist_s]
