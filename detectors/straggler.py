@@ -18,20 +18,21 @@ above the peers' median level by at least ``min_slowdown`` *and* ``min_zscore``
 robust spreads of the peers' levels (1.4826 x their median absolute deviation, which
 the stragglers among them do not inflate), ``min_confidence`` of its window agrees
 (is above half that; NVIDIA resiliency-ext scores with 0.75 the same way), and both
-have held for ``persist_steps`` steps (not waited for at twice the threshold, which
-no drift reaches). So in a quiet job the threshold is near ``min_slowdown``,
-and in a job whose ranks drift by 5% for dozens of steps at a time only what stands
-out from that drift is flagged. One estimate of the spread comes from the units'
-current excursions, which a slow drift keeps for dozens of steps, so the spread used
-is the median of the estimates over the last few hundred steps; a machine's is at
-least its ranks' over the square root of its rank count, so a job of few machines
-does not take its noise from too few of them. A unit clears once its level has
-stayed below the clear level (the threshold scaled by ``clear_slowdown /
-min_slowdown``) for ``clear_steps`` (64) steps, so a slowdown that comes and goes,
-calm for longer than a window between slow stretches, is one finding, kept.
+have held for ``persist_steps`` steps at the threshold, less the farther above it
+(none at twice the threshold, which no drift reaches). So in a quiet job the
+threshold is near ``min_slowdown``, and in a job whose ranks drift by 5% for dozens
+of steps at a time only what stands out from that drift is flagged. One estimate of
+the spread comes from the units' current excursions, which a slow drift keeps for
+dozens of steps, so the spread used is the median of the estimates over the last few
+hundred steps; a machine's is at least its ranks' over the square root of its rank
+count, so a job of few machines does not take its noise from too few of them. A unit
+clears once its level has stayed below the clear level (the threshold scaled by
+``clear_slowdown / min_slowdown``) for ``clear_steps`` (64) steps, so a slowdown
+that comes and goes, calm for longer than a window between slow stretches, is one
+finding, kept.
 
-That *level* path needs a window and persistence, about 30 steps for a sudden 10%
-machine. The *change* path finds a sudden slowdown within a few steps: each machine's
+That *level* path needs a window and persistence, about 20 to 30 steps for a sudden
+10% machine. The *change* path finds a sudden slowdown within a few steps: each machine's
 median over its last ``change_steps`` steps (its per-step value the median of its
 ranks', so one rank's spike does not move it) less its own median over the
 ``change_base_steps`` before them, against the same change of its peers at the same
@@ -78,7 +79,7 @@ CHANGE_OFF = 100.0  # a change z-score this high turns that change path off (not
 class StragglerConfig:
     min_slowdown: float = 0.08  # flag at 8% slower than the median rank, at the least
     clear_slowdown: float = 0.03
-    window_steps: int = 24
+    window_steps: int = 16
     min_confidence: float = 0.75
     min_ranks: int = 3  # fewer ranks reporting a step: nothing to compare against
     stall_lag_steps: int = 64
@@ -481,8 +482,10 @@ class StragglerDetector(Detector):
                 return
             if unit.hot_since is None:
                 unit.hot_since = last
-            blatant = s.level >= 2 * th.flag  # no drift goes this far: no need to wait
-            if last - unit.hot_since < cfg.persist_steps and not blatant:
+            # The farther above the threshold, the rarer a drift that goes there: the
+            # wait falls from persist_steps at the threshold to none at twice it.
+            wait = cfg.persist_steps * max(0.0, 2.0 - s.level / th.flag)
+            if last - unit.hot_since < wait:
                 return
             what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
             yield from self._flag(name, job, key, unit, now, slowdown=s.run_slowdown,
