@@ -58,6 +58,7 @@ class Model:
     tick_s: float
     p: float
     table: dict[tuple[int, ...], tuple[int, float, tuple[float, ...]]]  # state -> a, F, Q
+    G: dict[tuple[int, ...], tuple[float, ...]]  # state -> every action's G (may be empty)
 
 
 def load_model(path: str) -> Model:
@@ -73,11 +74,16 @@ def load_model(path: str) -> Model:
             raise ConfigError(key, f"{path}: states, policy, F and Q differ in length")
         table = {tuple(int(v) for v in x): (int(a), float(f), tuple(float(v) for v in q))
                  for x, a, f, q in zip(states, policy, F, Q, strict=True)}  # fmt: skip
+        G = raw.get("G", [])  # each action's constraint value: why a move was not taken
+        if G and len(G) != len(states):
+            raise ConfigError(key, f"{path}: states and G differ in length")
+        per_action = {tuple(int(v) for v in x): tuple(float(v) for v in g)
+                      for x, g in zip(states, G, strict=False)}  # fmt: skip
         return Model(
             actions=tuple(raw["actions"]), edges=tuple(float(e) for e in raw["slowdown_edges"]),
             max_age=int(raw["max_age"]), pool=int(raw["pool"]),
             max_per_hour=int(raw["limits"]["max_per_hour"]), gpus=int(raw["gpus"]),
-            tick_s=float(raw["tick_s"]), p=float(raw["p"]), table=table,
+            tick_s=float(raw["tick_s"]), p=float(raw["p"]), table=table, G=per_action,
         )  # fmt: skip
     except ConfigError:
         raise
@@ -145,6 +151,10 @@ class FpiPolicy(Policy):
         numbers = (f"{node} {s.slowdown:+.0%} for {now - s.since:.0f} s, {ready} ready, "
                    f"{hour} moved this hour: state {state}, F {f:.3g} (p {m.p:g}), "
                    f"Q {q[action]:.4g} vs hold {q[0]:.4g}")  # fmt: skip
+        g = m.G.get(state, ())
+        moving = m.actions.index("migrate") if "migrate" in m.actions else -1
+        if name != "migrate" and 0 <= moving < len(g) and g[moving] > m.p:
+            numbers += f", G of migrate {g[moving]:.3g} > p"  # why not: a limit at risk
         if name == "migrate" and ready:
             yield events.Migrate(ts=now, policy=self.name, job=job, node=node,
                                  reason=f"migrate: {numbers}")  # fmt: skip

@@ -35,6 +35,8 @@ from the simulator's data (``tmd.sim.mixes``' fail-slow episodes, ``tmd.sim.cost
 times): the worst straggler's slowdown and age, the ready standby pool, and the
 migrations of the last hour; actions no-op, migrate the straggler's machine,
 restart without it; the limits: migrations per hour and the pool's minimum.
+``sim_model`` holds the simulator's numbers it is built from, which
+``tmd.sim.job_env``'s richer environment samples (``tmd.sim.fpi_net`` learns there).
 """
 
 from __future__ import annotations
@@ -188,6 +190,10 @@ MAX_AGE = 3  # ticks; the last bucket is "this old or older"
 class Limits:
     max_per_hour: int = 2  # migrations in the last hour beyond this break the limit
     min_pool: int = 1  # ready standbys below this break it
+    # The downtime the policy's own decisions may cost a job, a rolling day's worth:
+    # spent by migrations, checkpoints and restarts, earned back evenly over the day
+    # (up to this much); below 0 the limit is broken. Only ``tmd.sim.job_env`` has it.
+    downtime_per_day_s: float = 600.0
 
 
 def migration_mdp(
@@ -203,13 +209,16 @@ def migration_mdp(
     restart_s: float = 900.0,
     limits: Limits | None = None,
 ) -> MDP:
-    """One job's decision every ``tick_s``. State ``(s, age, pool, recent)``: the worst
-    straggler's slowdown bucket (``SLOWDOWNS``), its age in ticks (up to ``MAX_AGE``),
-    ready standbys (up to ``pool``) and migrations started in the last hour (up to
-    ``max_per_hour + 1``, each leaving the count with chance ``tick_s / 3600`` a tick).
-    A machine failure the runtime fails over by itself takes a ready standby with chance
+    """One job's decision every ``tick_s``. State ``(s, age, pool, recent, broke)``: the
+    worst straggler's slowdown bucket (``SLOWDOWNS``), its age in ticks (up to
+    ``MAX_AGE``), ready standbys (up to ``pool``), migrations started in the last hour
+    (up to ``max_per_hour + 1``, each leaving the count with chance ``tick_s / 3600`` a
+    tick), and whether a limit broke in the tick that led here (``h``). A machine
+    failure the runtime fails over by itself takes a ready standby with chance
     ``drain_per_tick`` a tick: no decision, but the pool's minimum is broken all the
-    same if a migration spent the spare.
+    same if a migration spent the spare, even where the refill comes within the tick
+    (a state at the tick's end alone would hide that: with a refill a tick, the pool
+    is whole again by then).
 
     A straggler appears with chance ``episodes_per_tick`` when there is none, with a
     slowdown bucket drawn by ``slowdown_weights`` (buckets 1..); one of age ``k`` ends
@@ -223,8 +232,9 @@ def migration_mdp(
     if len(slowdown_weights) != n_s - 1 or len(recover_hazard) != n_age:
         raise ValueError("one weight per slow bucket, one hazard per age")
     weights = np.asarray(slowdown_weights, dtype=float) / sum(slowdown_weights)
-    states = [(s, a, q, m) for s in range(n_s) for a in range(n_age)
-              for q in range(n_p) for m in range(n_m) if s or not a]  # fmt: skip
+    states = [(s, a, q, m, b) for s in range(n_s) for a in range(n_age)
+              for q in range(n_p) for m in range(n_m) for b in (0, 1)
+              if s or not a]  # fmt: skip
     index = {x: i for i, x in enumerate(states)}
     n = len(states)
     P = np.zeros((len(ACTIONS), n, n))
@@ -233,18 +243,21 @@ def migration_mdp(
     decay = min(1.0, tick_s / 3600)
 
     def spread(i: int, a: int, s: int, age: int, q: int, m: int, prob: float) -> None:
-        """Add ``prob`` of the straggler part (``s``, ``age``) to the pool refill and
-        the hourly count's decay."""
+        """Add ``prob`` of the straggler part (``s``, ``age``) to the pool's drain and
+        refill and the hourly count's decay; whether a limit broke within the tick
+        (the pool after the drain, before the refill, or the hour's count with this
+        tick's migration) is the next state's flag."""
         drained = [(q - 1, drain_per_tick), (q, 1 - drain_per_tick)] if q > 0 else [(q, 1.0)]
         for qd, pd in drained:
+            broke = int(qd < lim.min_pool or m > lim.max_per_hour)
             refill = [(qd + 1, refill_per_tick), (qd, 1 - refill_per_tick)] if qd < pool \
                 else [(qd, 1.0)]  # fmt: skip
             for q2, pq in refill:
                 for m2, pm in binomial_decay(m, decay):
-                    P[a, i, index[(s, age if s else 0, q2, m2)]] += prob * pd * pq * pm
+                    P[a, i, index[(s, age if s else 0, q2, m2, broke)]] += prob * pd * pq * pm
 
-    for i, (s, age, q, m) in enumerate(states):
-        h[i] = 1.0 if (m > lim.max_per_hour or q < lim.min_pool) else 0.0
+    for i, (s, age, q, m, broke) in enumerate(states):
+        h[i] = float(broke)
         slow = SLOWDOWNS[s]
         for a, name in enumerate(ACTIONS):
             moved = name == "migrate" and s > 0 and q > 0
@@ -271,21 +284,64 @@ def binomial_decay(m: int, p: float) -> list[tuple[int, float]]:
     return [(k, math.comb(m, k) * (1 - p) ** k * p ** (m - k)) for k in range(m + 1)]
 
 
-def from_sim(
+@dataclass(frozen=True)
+class SimModel:
+    """What ``tmd sim``'s data says about one job of ``gpus`` GPUs deciding every
+    ``tick_s``: the numbers ``from_sim`` discretises into the finite model and
+    ``tmd.sim.job_env`` samples from. Rates are Poisson means a tick; times seconds."""
+
+    gpus: int
+    machines: int
+    tick_s: float
+    pool: int  # standby machines at most
+    episodes_per_tick: float  # fail-slow episodes of >= 5% starting (their rate per machine)
+    slowdown_log_mean: float  # lognormal fractional slowdown, cut at slowdown_max
+    slowdown_log_sigma: float
+    slowdown_max: float
+    duration_log_mean_s: float  # lognormal episode duration, cut at duration_max_s
+    duration_log_sigma: float
+    duration_max_s: float
+    failures_per_tick: float  # machine failures (XIDs, lost hosts): each takes a standby
+    rollbacks_per_tick: float  # hangs and crashes: the job restarts from its checkpoint
+    refill_per_tick: float  # chance a missing standby is provisioned within a tick
+    live_s: float  # a live migration's downtime
+    restart_s: float  # requeue, start-up and checkpoint load; work lost not included
+    failover_s: float  # a machine failure, a standby ready: detection, downtime, work lost
+    unready_s: float  # a machine failure, none ready: detection and restart (the rest lost
+    # is the work since the checkpoint)
+    rollback_s: float  # a hang or a crash: detection and restart (likewise)
+    checkpoint_s: float  # a checkpoint's blocking pause
+    checkpoint_interval_s: float  # Daly's, for the failures that roll tmd back (as tmd sim)
+
+    def slowdown_cdf(self, x: float) -> float:
+        if x >= self.slowdown_max:
+            return 1.0
+        return _lognormal_cdf(x, self.slowdown_log_mean, self.slowdown_log_sigma)
+
+    def survive(self, t: float) -> float:
+        """The chance an episode lasts longer than ``t`` seconds."""
+        if t >= self.duration_max_s:
+            return 0.0
+        return 1 - _lognormal_cdf(t, self.duration_log_mean_s, self.duration_log_sigma)
+
+
+SLOW_EDGES = (0.05, 0.10, 0.20, 0.50, math.inf)  # SLOWDOWNS' buckets; under 5% is none
+
+
+def sim_model(
     *,
     mix: str = "llama3",
     gpus: int = 16384,
     tick_s: float = 600.0,
     pool: int = 3,
-    limits: Limits | None = None,
     refill_s: float | None = None,
-) -> MDP:
-    """``migration_mdp`` with the simulator's numbers for a job of ``gpus``: fail-slow
-    episodes (``tmd.sim.mixes.load_failslow``: their rate per machine, lognormal
-    slowdowns and durations) become the arrival chance, the slowdown buckets' weights
-    and the hazard of ending by age; the mix's machine failures (XIDs, lost hosts)
-    the pool's drain; ``tmd.sim.cost`` the live migration, the restart (requeue,
-    start-up, load, half a checkpoint interval of work) and the refill (a cold
+) -> SimModel:
+    """The simulator's numbers for a job of ``gpus``: fail-slow episodes
+    (``tmd.sim.mixes.load_failslow``: their rate per machine, lognormal slowdowns and
+    durations); the mix's machine failures (XIDs, lost hosts), which take a standby,
+    and its hangs and crashes, which roll the job back; ``tmd.sim.cost`` the live
+    migration, the failover, the restart (requeue, start-up, load), the checkpoint's
+    pause and interval (Daly, as ``tmd sim``'s engine) and the refill (a cold
     standby's provisioning, or ``refill_s``)."""
     from tmd.sim import cost, mixes  # the simulator's data: the `sim` extra
 
@@ -300,34 +356,81 @@ def from_sim(
             return 1.0
         return _lognormal_cdf(x, fs.slowdown_log_mean, fs.slowdown_log_sigma)
 
-    edges = [0.05, 0.10, 0.20, 0.50, math.inf]
-    mass = [slowdown_cdf(hi) - slowdown_cdf(lo) for lo, hi in itertools.pairwise(edges)]
+    mass = [slowdown_cdf(hi) - slowdown_cdf(lo) for lo, hi in itertools.pairwise(SLOW_EDGES)]
     seen = sum(mass)  # slowdowns under 5% are left out: no straggler to speak of
-    arrivals = machines * fs.episodes_per_node_day * per_tick * seen
 
-    def survive(t: float) -> float:
-        if t >= fs.duration_max_s:
-            return 0.0
-        return 1 - _lognormal_cdf(t, fs.duration_log_mean_s, fs.duration_log_sigma)
+    def share(*signals: str) -> float:
+        return sum(x.weight for x in m.causes if x.signal in signals)
 
+    def weighted(signals: tuple[str, ...], ready: bool) -> float:
+        """One event's detection, downtime and work lost (``since_checkpoint_s`` 0),
+        averaged over the mix's causes of ``signals``."""
+        total = 0.0
+        for x in m.causes:
+            if x.signal in signals:
+                r = cost.recovery("tmd", x.signal, c, since_checkpoint_s=0.0, standby_ready=ready)
+                total += x.weight * (r.detect_s + r.downtime_s + r.lost_work_s)
+        return total / max(share(*signals), 1e-12)
+
+    lost_machines = share("xid", "node_lost")
+    rollback_rate = share("hang", "crash") * m.failures_per_node_day * machines
+    mtbf = mixes.SECONDS_PER_DAY / rollback_rate if rollback_rate > 0 else mixes.SECONDS_PER_DAY
+    return SimModel(
+        gpus=gpus,
+        machines=machines,
+        tick_s=tick_s,
+        pool=pool,
+        episodes_per_tick=machines * fs.episodes_per_node_day * per_tick * seen,
+        slowdown_log_mean=fs.slowdown_log_mean,
+        slowdown_log_sigma=fs.slowdown_log_sigma,
+        slowdown_max=fs.slowdown_max,
+        duration_log_mean_s=fs.duration_log_mean_s,
+        duration_log_sigma=fs.duration_log_sigma,
+        duration_max_s=fs.duration_max_s,
+        failures_per_tick=machines * m.failures_per_node_day * lost_machines * per_tick,
+        rollbacks_per_tick=rollback_rate * per_tick,
+        refill_per_tick=min(1.0, tick_s / (refill_s or c.cold_standby_s)),
+        live_s=c.live_migration_s,
+        restart_s=c.requeue_s + c.restart_init_s + c.checkpoint_load_s,
+        failover_s=weighted(("xid", "node_lost"), True),
+        unready_s=weighted(("xid", "node_lost"), False),
+        rollback_s=weighted(("hang", "crash"), True),
+        checkpoint_s=c.checkpoint_blocking_s,
+        checkpoint_interval_s=cost.daly(c.checkpoint_blocking_s, mtbf),
+    )
+
+
+def from_sim(
+    *,
+    mix: str = "llama3",
+    gpus: int = 16384,
+    tick_s: float = 600.0,
+    pool: int = 3,
+    limits: Limits | None = None,
+    refill_s: float | None = None,
+) -> MDP:
+    """``migration_mdp`` with ``sim_model``'s numbers for a job of ``gpus``: the
+    episodes' rate, slowdowns and durations become the arrival chance, the slowdown
+    buckets' weights and the hazard of ending by age; the machine failures the pool's
+    drain; the restart loses half a tick of work besides its downtime."""
+    sm = sim_model(mix=mix, gpus=gpus, tick_s=tick_s, pool=pool, refill_s=refill_s)
+    mass = [sm.slowdown_cdf(hi) - sm.slowdown_cdf(lo) for lo, hi in itertools.pairwise(SLOW_EDGES)]
     # Of one this many ticks old, the chance it ends within the tick (the last age
     # stands for every older one: its hazard at that age).
     hazard = tuple(
-        1 - survive((k + 1) * tick_s) / max(survive(k * tick_s), 1e-12) for k in range(MAX_AGE + 1)
+        1 - sm.survive((k + 1) * tick_s) / max(sm.survive(k * tick_s), 1e-12)
+        for k in range(MAX_AGE + 1)
     )
-    lost_machines = sum(x.weight for x in m.causes if x.signal in ("xid", "node_lost"))
-    drain = machines * m.failures_per_node_day * lost_machines * per_tick
-    restart = c.requeue_s + c.restart_init_s + c.checkpoint_load_s + tick_s / 2
     return migration_mdp(
-        episodes_per_tick=min(1.0, 1 - math.exp(-arrivals)),
+        episodes_per_tick=min(1.0, 1 - math.exp(-sm.episodes_per_tick)),
         slowdown_weights=tuple(mass),
         recover_hazard=hazard,
         pool=pool,
-        refill_per_tick=min(1.0, tick_s / (refill_s or c.cold_standby_s)),
-        drain_per_tick=min(1.0, 1 - math.exp(-drain)),
+        refill_per_tick=sm.refill_per_tick,
+        drain_per_tick=min(1.0, 1 - math.exp(-sm.failures_per_tick)),
         tick_s=tick_s,
-        live_s=c.live_migration_s,
-        restart_s=restart,
+        live_s=sm.live_s,
+        restart_s=sm.restart_s + tick_s / 2,
         limits=limits,
     )
 
@@ -348,9 +451,14 @@ def export(
     mdp: MDP, run: Run, *, p: float, gamma: float, about: dict[str, object]
 ) -> dict[str, object]:
     """The trained policy as the ``fpi`` policy reads it (``policies/fpi.py``): per
-    state its action, ``F`` and ``Q``; the state's buckets; what it was trained for
-    (``about``: GPUs, tick, pool, limits), so it can tell a state outside them."""
+    state its action, ``F``, and every action's ``Q`` and ``G``; the state's buckets;
+    what it was trained for (``about``: GPUs, tick, pool, limits), so it can tell a
+    state outside them. The
+    states are ``(s, age, pool, recent)``: a decision is taken where no limit has
+    broken (the flag only marks the breach for ``F``; the moves from a state are the
+    same either way)."""
     ev = run.evaluations[-1]
+    kept = [i for i, x in enumerate(mdp.states) if not x[-1]]
     return {
         "version": MODEL_VERSION,
         "algorithm": "feasible policy iteration, exact, tabular (arXiv 2304.08845)",
@@ -359,10 +467,11 @@ def export(
         "actions": list(mdp.actions),
         "slowdown_edges": list(SLOWDOWN_EDGES),
         "max_age": MAX_AGE,
-        "states": [list(x) for x in mdp.states],
-        "policy": [int(a) for a in run.policy],
-        "F": [round(float(f), 6) + 0.0 for f in ev.F],  # + 0.0: no -0 from the solver
-        "Q": [[round(float(q), 6) + 0.0 for q in row] for row in ev.Q],
+        "states": [list(mdp.states[i][:-1]) for i in kept],
+        "policy": [int(run.policy[i]) for i in kept],
+        "F": [round(float(ev.F[i]), 6) + 0.0 for i in kept],  # + 0.0: no -0 from the solver
+        "Q": [[round(float(q), 6) + 0.0 for q in ev.Q[i]] for i in kept],
+        "G": [[round(float(g), 6) + 0.0 for g in ev.G[i]] for i in kept],
         "region_sizes": run.region_sizes,
         "region_monotone": run.region_monotone,
         **about,

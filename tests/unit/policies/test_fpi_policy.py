@@ -56,24 +56,34 @@ def slow(p: FpiPolicy, node: str, slowdown: float) -> None:
 
 
 def test_it_migrates_when_the_table_says_so_and_says_why(model: Path) -> None:
-    p = policy(model, view(16, standbys=2))
+    p = policy(model, view(16, standbys=3))
     assert p.tick_interval is not None and p.tick_interval.total_seconds() == TICK
     slow(p, "n1", 0.35)
     [decision] = p.tick(T0 + TICK)
     assert isinstance(decision, events.Migrate) and decision.node == "n1"
     assert decision.reason.startswith("migrate: n1 +35%")
-    assert "state (3, 1, 2, 0), F 0 (p 0)" in decision.reason and "vs hold" in decision.reason
+    assert "state (3, 1, 3, 0), F 0 (p 0)" in decision.reason and "vs hold" in decision.reason
+
+
+def test_it_keeps_a_standby_for_a_failure_in_the_same_tick(model: Path) -> None:
+    """Two ready, the pool's minimum one: a migration would leave the minimum, and a
+    machine failing before the refill would break it. Held, with F above p."""
+    p = policy(model, view(16, standbys=2))
+    slow(p, "n1", 0.35)
+    [decision] = p.tick(T0 + TICK)
+    assert isinstance(decision, events.Hold) and "state (3, 1, 2, 0)" in decision.reason
+    assert "G of migrate " in decision.reason and "> p" in decision.reason
 
 
 def test_it_holds_once_the_hour_s_migrations_are_spent(model: Path) -> None:
-    p = policy(model, view(16, standbys=2))
+    p = policy(model, view(16, standbys=3))
     for i, node in enumerate(("n0", "n0")):
         p.observe(events.MigrationFinished(ts=T0, migration_id=f"m{i}", job="j", node=node,
                                            to=f"s{i}", outcome="done"), T0 + i)  # fmt: skip
     slow(p, "n1", 0.35)
     [decision] = p.tick(T0 + TICK)
     assert isinstance(decision, events.Hold) and decision.reason.startswith("hold: ")
-    assert "2 moved this hour: state (3, 1, 2, 2)" in decision.reason
+    assert "2 moved this hour: state (3, 1, 3, 2)" in decision.reason
     # An hour on, the count has gone: it moves the machine.
     [later] = p.tick(T0 + 3601 + TICK)
     assert isinstance(later, events.Migrate)
@@ -113,7 +123,8 @@ def test_a_bad_model_stops_the_daemon_naming_the_key(tmp_path: Path, model: Path
 def test_the_table_is_the_trained_policy(model: Path) -> None:
     raw = json.loads(model.read_text())
     mdp = fpi.from_sim(gpus=16, pool=3)
-    assert [tuple(x) for x in raw["states"]] == list(mdp.states)
+    kept = [i for i, x in enumerate(mdp.states) if not x[-1]]  # no limit broken yet
+    assert [tuple(x) for x in raw["states"]] == [mdp.states[i][:-1] for i in kept]
     run = fpi.iterate(mdp, p=0.0, gamma=0.99,
                       start=np.full(mdp.n_states, 1, dtype=np.int64))  # fmt: skip
-    assert raw["policy"] == [int(a) for a in run.policy] and raw["region_monotone"] is True
+    assert raw["policy"] == [int(run.policy[i]) for i in kept] and raw["region_monotone"] is True

@@ -54,11 +54,11 @@ def test_the_migration_model_s_policy_keeps_the_limits_and_moves_slow_machines()
     policy = {x: fpi.ACTIONS[a] for x, a in zip(mdp.states, run.policy, strict=True)}
     feasible = {x for x, f in zip(mdp.states, final.F, strict=True) if f <= fpi.TOL}
     # A 35% straggler, two standbys ready, none moved this hour: moved.
-    assert policy[(3, 0, 2, 0)] == "migrate"
+    assert policy[(3, 0, 2, 0, 0)] == "migrate"
     # The last standby the pool keeps, or the hour's last migration: not spent.
-    assert policy[(3, 0, 1, 0)] != "migrate" and policy[(3, 0, 3, 2)] != "migrate"
+    assert policy[(3, 0, 1, 0, 0)] != "migrate" and policy[(3, 0, 3, 2, 0)] != "migrate"
     # Inside its region the policy never breaks a limit: F is 0 there.
-    assert (3, 0, 2, 0) in feasible and (0, 0, 1, 0) in feasible
+    assert (3, 0, 2, 0, 0) in feasible and (0, 0, 1, 0, 0) in feasible
     assert all(x[2] >= limits.min_pool and x[3] <= limits.max_per_hour for x in feasible)
 
 
