@@ -19,7 +19,8 @@ robust spreads of the peers' levels (1.4826 x their median absolute deviation, w
 the stragglers among them do not inflate), ``min_confidence`` of its window agrees
 (is above half that; NVIDIA resiliency-ext scores with 0.75 the same way), and both
 have held for ``persist_steps`` steps at the threshold, less the farther above it
-(none at twice the threshold, which no drift reaches). So in a quiet job the
+(none at twice the threshold, which no drift reaches: such a unit is reported once
+3/4 of its window shows it, a burst of 12 steps included). So in a quiet job the
 threshold is near ``min_slowdown``, and in a job whose ranks drift by 5% for dozens
 of steps at a time only what stands out from that drift is flagged. One estimate of
 the spread comes from the units' current excursions, which a slow drift keeps for

@@ -30,7 +30,7 @@ from tmd.errors import ConfigError
 from tmd.plugins import Context
 from tmd.policies.base import Policy, Straggler, Stragglers
 
-MODEL_VERSION = 1
+MODEL_VERSION = 2  # tmd.sim.fpi.MODEL_VERSION
 SIZE_RANGE = 2.0  # a job within this factor of the model's GPUs is what it knows
 
 
@@ -153,7 +153,7 @@ class FpiPolicy(Policy):
                    f"Q {q[action]:.4g} vs hold {q[0]:.4g}")  # fmt: skip
         g = m.G.get(state, ())
         moving = m.actions.index("migrate") if "migrate" in m.actions else -1
-        if name != "migrate" and 0 <= moving < len(g) and g[moving] > m.p:
+        if name != "migrate" and f <= m.p and 0 <= moving < len(g) and g[moving] > m.p:
             numbers += f", G of migrate {g[moving]:.3g} > p"  # why not: a limit at risk
         if name == "migrate" and ready:
             yield events.Migrate(ts=now, policy=self.name, job=job, node=node,

@@ -31,9 +31,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", type=int, default=None, help=pools)
     p.add_argument("--rebalance-min", type=float, default=d.rebalance_min,
                    help="the rebalance policy's interval (%(default)s)")  # fmt: skip
-    p.add_argument("--policy", choices=("rebalance", "fpi"), default=d.policy,
-                   help="what decides about stragglers: the rebalance policy, or the "
-                   "learned one (FPI, trained for this run first) (%(default)s)")  # fmt: skip
+    p.add_argument("--policy", choices=("rebalance", "fpi", "lagrangian"), default=d.policy,
+                   help="what decides about stragglers: the rebalance policy, the "
+                   "learned one (FPI, trained for this run first), or the Lagrangian "
+                   "baseline (a table trained the same way, run by the same policy) "
+                   "(%(default)s)")  # fmt: skip
     p.add_argument("--window", type=int, default=d.window,
                    help="machines the daemon sees (module docstring; %(default)s)")  # fmt: skip
     p.add_argument("--step-s", type=float, default=None, help="step time (default: the model's)")

@@ -112,7 +112,7 @@ class Settings:
     mix: str = "llama3"
     pool: int = 16  # standby machines
     rebalance_min: float = 10.0  # the rebalance policy's interval (the fpi policy's tick)
-    policy: str = "rebalance"  # or "fpi": the learned policy decides about stragglers
+    policy: str = "rebalance"  # "fpi": the learned policy decides; "lagrangian": its baseline
     failslow: bool = True
     planned: bool = True
     window: int = 8  # machines the daemon sees
@@ -269,15 +269,17 @@ class Simulation:
         self._pending: list[object] = []
         self._last_tick: dict[str, float] = {}
         self.decisions: Counter[str] = Counter()
+        self.held: Counter[str] = Counter()
         self.findings: Counter[str] = Counter()
 
     def _straggler_policy(self, folder: Path) -> dict[str, dict[str, Any]]:
         """The policy that decides about stragglers: ``rebalance``, or ``fpi`` with a
-        table trained for this job's size, pool and tick (``tmd policy train``'s)."""
+        table trained for this job's size, pool and tick (``tmd policy train``'s);
+        ``lagrangian``: the ``fpi`` policy running the Lagrangian baseline's table."""
         if self.s.policy == "rebalance":
             return {"rebalance": {"interval_min": self.s.rebalance_min}}
-        if self.s.policy != "fpi":
-            raise ValueError(f"unknown policy {self.s.policy!r}: rebalance or fpi")
+        if self.s.policy not in ("fpi", "lagrangian"):
+            raise ValueError(f"unknown policy {self.s.policy!r}: rebalance, fpi or lagrangian")
         from tmd.sim import train
 
         model = folder / "fpi.json"
@@ -288,7 +290,8 @@ class Simulation:
                     "--tick-s", str(self.s.rebalance_min * 60),
                     "--max-per-hour", str(guard.max_per_hour),
                     "--min-pool", str(guard.min_standby_pool),
-                    "--seen-ranks", str(self.window * self.k)], quiet=True)  # fmt: skip
+                    "--seen-ranks", str(self.window * self.k),
+                    "--algorithm", self.s.policy], quiet=True)  # fmt: skip
         return {"rebalance": {"enabled": False}, "fpi": {"enabled": True, "model": str(model)}}
 
     def _emit(self, event: events.Event, source: str) -> None:
@@ -336,6 +339,8 @@ class Simulation:
         t = self.clock.t
         if isinstance(item, events.Decision):
             self.decisions[f"{type(item).__name__}:{item.policy}"] += 1
+            if isinstance(item, events.Hold) and item.held:
+                self.held[item.held] += 1  # a policy's move the guardrails (or else) held
         elif isinstance(item, events.StragglerFound):
             self.findings["StragglerFound"] += 1
             for slow in self.slow.values():
@@ -759,6 +764,10 @@ class Simulation:
             "stragglers": dict(self.tally.stragglers),
             "migration_outcomes": dict(self.tally.outcomes),
             "decisions": dict(self.decisions),
+            # Per policy, its migrations the actuator did not run: the guardrails'
+            # limits (per hour, the pool's minimum, cool-downs) or no standby. Where a
+            # policy keeps the limits itself this stays near 0.
+            "held_by_actuator": dict(self.held),
             "findings": dict(self.findings),
             "detection_latency_s": {
                 k: {"n": len(v), "median": sorted(v)[len(v) // 2]}

@@ -53,13 +53,16 @@ Array = npt.NDArray[np.float64]
 
 @dataclass(frozen=True)
 class MDP:
-    """``P[a, x, x']`` (rows sum to 1), ``r[x, a]``, ``h[x]`` (> 0: a limit broken)."""
+    """``P[a, x, x']`` (rows sum to 1), ``r[x, a]``, ``h[x]`` (> 0: a limit broken).
+    ``twin[x]``, where given: the state whose action ``x`` takes (a state that only
+    marks a breach decides as the same state without the mark; by default its own)."""
 
     P: Array
     r: Array
     h: Array
     actions: tuple[str, ...] = ()
     states: tuple[tuple[int, ...], ...] = ()
+    twin: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n_a, n_x, n_y = self.P.shape
@@ -67,6 +70,12 @@ class MDP:
             raise ValueError(f"shapes: P {self.P.shape}, r {self.r.shape}, h {self.h.shape}")
         if not np.allclose(self.P.sum(axis=2), 1.0):
             raise ValueError("every row of P must sum to 1")
+        if self.twin and len(self.twin) != n_x:
+            raise ValueError(f"twin: {len(self.twin)} states, P has {n_x}")
+
+    def tied(self, policy: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``policy`` with every state taking its twin's action."""
+        return policy[np.asarray(self.twin)] if self.twin else policy
 
     @property
     def n_states(self) -> int:
@@ -111,12 +120,14 @@ TOL = 1e-9  # the linear solves' rounding: a value this close to the threshold i
 def improve(ev: Evaluation, p: float) -> npt.NDArray[np.int64]:
     """Region-wise improvement: inside ``{F <= p}`` the best ``Q`` of the actions whose
     ``G <= p`` (the current action is one, so there always is one); outside, the
-    lowest ``G``."""
+    lowest ``G``, and of actions tied at it (a risk no action changes: failures
+    outside the policy's hands) the best ``Q``."""
     bar = p + TOL
     feasible = np.less_equal(ev.F, bar)
     allowed = np.less_equal(ev.G, bar)
     inside = np.where(allowed, ev.Q, -np.inf).argmax(axis=1)
-    outside = ev.G.argmin(axis=1)
+    lowest = np.less_equal(ev.G, ev.G.min(axis=1, keepdims=True) + TOL)
+    outside = np.where(lowest, ev.Q, -np.inf).argmax(axis=1)
     chosen: npt.NDArray[np.int64] = np.where(feasible, inside, outside).astype(np.int64)
     return chosen
 
@@ -150,6 +161,7 @@ def iterate(
     if not (0 < gamma < 1 and 0 <= p < 1):
         raise ValueError("gamma must be in (0, 1) and p in [0, 1)")
     policy = np.zeros(mdp.n_states, dtype=np.int64) if start is None else start.copy()
+    policy = mdp.tied(policy)
     run = Run()
     ev = evaluate(mdp, policy, gamma)
     run.policies.append(policy)
@@ -163,8 +175,9 @@ def iterate(
         rows = np.arange(mdp.n_states)
         inside = np.less_equal(ev.F, bar)
         same = inside & (ev.Q[rows, nxt] <= ev.Q[rows, policy] + tol)
-        same |= ~inside & (ev.G[rows, nxt] >= ev.G[rows, policy] - tol)
-        nxt = np.where(same, policy, nxt)
+        at_lowest = ev.G[rows, policy] <= ev.G.min(axis=1) + TOL
+        same |= ~inside & at_lowest & (ev.Q[rows, nxt] <= ev.Q[rows, policy] + tol)
+        nxt = mdp.tied(np.where(same, policy, nxt))
         if np.array_equal(nxt, policy):
             break
         new = evaluate(mdp, nxt, gamma)
@@ -177,6 +190,51 @@ def iterate(
         run.region_sizes.append(int((np.less_equal(ev.F, bar)).sum()))
         run.iterations += 1
     return run
+
+
+def lagrangian(
+    mdp: MDP, *, start: int, risk: float, gamma: float, iterations: int = 20
+) -> tuple[npt.NDArray[np.int64], float]:
+    """The baseline FPI is measured against: the optimal policy for ``r - lambda * c``
+    (``c`` a limit broken; policy iteration, exact) with the smallest ``lambda``
+    (bisection) whose discounted breaches from ``start`` are at most ``risk``. One
+    multiplier for the whole problem, tuned to a budget of breaches: it keeps the
+    expected breaches low on average, where FPI keeps them at ``p`` state by state."""
+    c = (mdp.h > 0).astype(float)
+    rows = np.arange(mdp.n_states)
+
+    def solve(lam: float) -> npt.NDArray[np.int64]:
+        penalised = MDP(mdp.P, mdp.r - lam * c[:, None], np.zeros(mdp.n_states))
+        chosen = np.zeros(mdp.n_states, dtype=np.int64)
+        for _ in range(100):
+            q = evaluate(penalised, chosen, gamma).Q
+            better = q.argmax(axis=1)
+            better = np.where(q[rows, better] > q[rows, chosen] + 1e-9, better, chosen)
+            if np.array_equal(better, chosen):
+                break
+            chosen = better.astype(np.int64)
+        return mdp.tied(chosen)
+
+    def breaches(policy: npt.NDArray[np.int64]) -> float:
+        P = mdp.P[policy, rows, :]
+        return float(np.linalg.solve(np.eye(mdp.n_states) - gamma * P, c)[start])
+
+    lo, hi = 0.0, 1.0
+    while breaches(solve(hi)) > risk and hi < 1e6:
+        hi *= 4
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if breaches(solve(mid)) <= risk else (mid, hi)
+    return solve(hi), hi
+
+
+def as_run(mdp: MDP, policy: npt.NDArray[np.int64], *, p: float, gamma: float) -> Run:
+    """A policy trained otherwise (``lagrangian``), evaluated, in ``iterate``'s form:
+    what ``export`` writes."""
+    policy = mdp.tied(policy)
+    ev = evaluate(mdp, policy, gamma)
+    size = int(np.less_equal(ev.F, p + TOL).sum())
+    return Run(policies=[policy], evaluations=[ev], region_sizes=[size])
 
 
 # -- the migration decision as a finite model -------------------------------------------
@@ -275,7 +333,8 @@ def migration_mdp(
                 end = recover_hazard[age]
                 spread(i, a, 0, 0, q1, m1, end)
                 spread(i, a, s, min(age + 1, MAX_AGE), q1, m1, 1 - end)
-    return MDP(P, r, h, ACTIONS, tuple(states))
+    twin = tuple(index[(*x[:-1], 0)] for x in states)
+    return MDP(P, r, h, ACTIONS, tuple(states), twin)
 
 
 def binomial_decay(m: int, p: float) -> list[tuple[int, float]]:
@@ -443,13 +502,20 @@ def _lognormal_cdf(x: float, mu: float, sigma: float) -> float:
 
 # -- a trained table, for the ``fpi`` policy ------------------------------------------
 
-MODEL_VERSION = 1
+MODEL_VERSION = 2  # 2: F counts a limit broken within a tick; each action's G
 SLOWDOWN_EDGES = (0.05, 0.10, 0.20, 0.50)  # the buckets of SLOWDOWNS: under 5% is none
 
 
+ALGORITHMS = {
+    "fpi": "feasible policy iteration, exact, tabular (arXiv 2304.08845)",
+    "lagrangian": "Lagrangian: one multiplier on breaches, bisected to a risk budget",
+}
+
+
 def export(
-    mdp: MDP, run: Run, *, p: float, gamma: float, about: dict[str, object]
-) -> dict[str, object]:
+    mdp: MDP, run: Run, *, p: float, gamma: float, about: dict[str, object],
+    algorithm: str = "fpi",
+) -> dict[str, object]:  # fmt: skip
     """The trained policy as the ``fpi`` policy reads it (``policies/fpi.py``): per
     state its action, ``F``, and every action's ``Q`` and ``G``; the state's buckets;
     what it was trained for (``about``: GPUs, tick, pool, limits), so it can tell a
@@ -461,7 +527,7 @@ def export(
     kept = [i for i, x in enumerate(mdp.states) if not x[-1]]
     return {
         "version": MODEL_VERSION,
-        "algorithm": "feasible policy iteration, exact, tabular (arXiv 2304.08845)",
+        "algorithm": ALGORITHMS[algorithm],
         "p": p,
         "gamma": gamma,
         "actions": list(mdp.actions),

@@ -148,7 +148,8 @@ class JobEnv:
         with ``rng``, to a random state (training: to see states a policy rarely
         reaches)."""
         B, sm, lim = self.B, self.sm, self.limits
-        self.t = 0
+        if rng is None:  # a random state keeps the clock: the outside events go on
+            self.t = 0
         self.slow, self.left_s = np.zeros((B, K)), np.zeros((B, K))
         self.age = np.zeros((B, K), dtype=np.int64)
         self.pool = np.full(B, sm.pool, dtype=np.int64)

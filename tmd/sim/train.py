@@ -1,6 +1,8 @@
 """``tmd policy train``: train the learned safe policy (Feasible Policy Iteration,
 ``tmd.sim.fpi``) on the model of the migration decision built from ``tmd sim``'s data,
-and write the table the ``fpi`` policy reads (``[policies.fpi] model = PATH``)."""
+and write the table the ``fpi`` policy reads (``[policies.fpi] model = PATH``).
+``--algorithm lagrangian`` trains the baseline it is measured against instead, in the
+same form, so ``tmd sim --policy lagrangian`` runs it through the same policy."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ def main(argv: list[str] | None = None, *, quiet: bool = False) -> int:
     p.add_argument("--max-per-hour", type=int, default=2)
     p.add_argument("--min-pool", type=int, default=1)
     p.add_argument("--p", type=float, default=0.0, help="the feasibility threshold")
+    p.add_argument("--algorithm", choices=sorted(fpi.ALGORITHMS), default="fpi",
+                   help="fpi, or the lagrangian baseline (%(default)s)")  # fmt: skip
+    p.add_argument("--risk", type=float, default=0.01,
+                   help="lagrangian: its bound on discounted breaches (%(default)s)")  # fmt: skip
     p.add_argument("--seen-ranks", type=int, default=None,
                    help="the job size the daemon sees, where not --gpus (tmd sim shows it "
                    "a window of the job): what the policy takes for its own")  # fmt: skip
@@ -37,15 +43,22 @@ def main(argv: list[str] | None = None, *, quiet: bool = False) -> int:
     t0 = time.process_time()
     mdp = fpi.from_sim(mix=args.mix, gpus=args.gpus, tick_s=args.tick_s, pool=args.pool,
                        limits=limits)  # fmt: skip
-    always = np.full(mdp.n_states, fpi.ACTIONS.index("migrate"), dtype=np.int64)
-    run = fpi.iterate(mdp, p=args.p, gamma=GAMMA, start=always)
+    if args.algorithm == "lagrangian":
+        start = mdp.states.index((0, 0, args.pool, 0, 0))
+        table, lam = fpi.lagrangian(mdp, start=start, risk=args.risk, gamma=GAMMA)
+        run = fpi.as_run(mdp, table, p=args.p, gamma=GAMMA)
+    else:
+        always = np.full(mdp.n_states, fpi.ACTIONS.index("migrate"), dtype=np.int64)
+        run = fpi.iterate(mdp, p=args.p, gamma=GAMMA, start=always)
     about: dict[str, object] = {
         "gpus": args.seen_ranks or args.gpus, "trained_gpus": args.gpus, "mix": args.mix,
         "tick_s": args.tick_s, "pool": args.pool,
         "limits": {"max_per_hour": limits.max_per_hour, "min_pool": limits.min_pool},
         "train_s": round(time.process_time() - t0, 3),
     }  # fmt: skip
-    model = fpi.export(mdp, run, p=args.p, gamma=GAMMA, about=about)
+    if args.algorithm == "lagrangian":
+        about.update(risk=args.risk, lagrangian_lambda=round(lam, 6))
+    model = fpi.export(mdp, run, p=args.p, gamma=GAMMA, about=about, algorithm=args.algorithm)
     args.out.write_text(json.dumps(model) + "\n")
     summary = {"out": str(args.out), "states": mdp.n_states, "iterations": run.iterations,
                "region_sizes": run.region_sizes, "region_monotone": run.region_monotone,

@@ -75,6 +75,19 @@ def test_it_keeps_a_standby_for_a_failure_in_the_same_tick(model: Path) -> None:
     assert "G of migrate " in decision.reason and "> p" in decision.reason
 
 
+@pytest.mark.parametrize("slowdown", [0.06, 0.35])
+def test_with_one_standby_left_it_neither_spends_it_nor_restarts_the_job(
+    model: Path, slowdown: float
+) -> None:
+    """One ready, the pool's minimum: a failure may break it whatever the policy does
+    (no action lowers that risk), so among the actions tied at the lowest G the best
+    Q wins: holding, not a restart of the whole job for a 6% straggler."""
+    p = policy(model, view(16, standbys=1))
+    slow(p, "n1", slowdown)
+    [decision] = p.tick(T0 + TICK)
+    assert isinstance(decision, events.Hold), decision.reason
+
+
 def test_it_holds_once_the_hour_s_migrations_are_spent(model: Path) -> None:
     p = policy(model, view(16, standbys=3))
     for i, node in enumerate(("n0", "n0")):

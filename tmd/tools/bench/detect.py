@@ -192,8 +192,9 @@ def score_trace(trace: traces.Trace, found: Found, window: int) -> TraceScore:
         out.eligible += 1
         if steps:
             out.detected += 1
-            out.latencies.append(min(steps) - onset(lb))
-            out.latencies_10pct.append(min(steps) - onset(lb, separable_from=False))
+            # Found before the onset (a ramp that stood out early): no latency, not less.
+            out.latencies.append(max(0, min(steps) - onset(lb)))
+            out.latencies_10pct.append(max(0, min(steps) - onset(lb, separable_from=False)))
             end = lb.end_step if lb.end_step is not None else trace.steps + 1
             out.flapped += any(
                 isinstance(e, events.StragglerCleared) and e.node == lb.node

@@ -73,41 +73,6 @@ def rebalance_table(mdp: fpi.MDP, limits: fpi.Limits) -> npt.NDArray[np.int64]:
     return out
 
 
-def lagrangian_table(
-    mdp: fpi.MDP, start: int, risk: float, *, iterations: int = 20
-) -> tuple[npt.NDArray[np.int64], float]:
-    """The smallest ``lambda`` (bisection) whose greedy policy on ``r - lambda * c``
-    keeps the discounted breaches from ``start`` at most ``risk``."""
-    c = (mdp.h > 0).astype(float)
-
-    def solve(lam: float) -> npt.NDArray[np.int64]:
-        """The optimal policy for ``r - lam * c``: policy iteration, exact."""
-        penalised = fpi.MDP(mdp.P, mdp.r - lam * c[:, None], np.zeros(mdp.n_states))
-        chosen = np.zeros(mdp.n_states, dtype=np.int64)
-        for _ in range(100):
-            q = fpi.evaluate(penalised, chosen, GAMMA).Q
-            rows = np.arange(mdp.n_states)
-            better = q.argmax(axis=1)
-            better = np.where(q[rows, better] > q[rows, chosen] + 1e-9, better, chosen)
-            if np.array_equal(better, chosen):
-                break
-            chosen = better.astype(np.int64)
-        return chosen
-
-    def breaches(policy: npt.NDArray[np.int64]) -> float:
-        rows = np.arange(mdp.n_states)
-        P = mdp.P[policy, rows, :]
-        return float(np.linalg.solve(np.eye(mdp.n_states) - GAMMA * P, c)[start])
-
-    lo, hi = 0.0, 1.0
-    while breaches(solve(hi)) > risk and hi < 1e6:
-        hi *= 4
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if breaches(solve(mid)) <= risk else (mid, hi)
-    return solve(hi), hi
-
-
 def rollout(
     mdp: fpi.MDP, policy: npt.NDArray[np.int64], *, start: int, ticks: int, seed: int
 ) -> dict[str, float]:
@@ -138,7 +103,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     fpi_s = time.process_time() - t0
     progress.say(f"fpi: {trained.iterations} iterations, regions {trained.region_sizes}")
     t0 = time.process_time()
-    lagrangian, lam = lagrangian_table(mdp, start, args.risk)
+    lagrangian, lam = fpi.lagrangian(mdp, start=start, risk=args.risk, gamma=GAMMA)
     lagrangian_s = time.process_time() - t0
     tables = {"fpi": trained.policy, "rebalance": rebalance_table(mdp, limits),
               "lagrangian": lagrangian}  # fmt: skip
