@@ -18,18 +18,36 @@ import pytest
 SMALL = ["--layers", "1", "--steps", "14", "--prepare-at", "4", "--switch-at", "7", "--json"]
 
 
-def bench(*args: str) -> dict[str, Any]:
-    out = subprocess.run(
+def start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, "-m", "tmd.cli", "bench", "downtime", *args, *SMALL],
-        capture_output=True, text=True, timeout=600, check=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    result: dict[str, Any] = json.loads(out.stdout)  # the JSON object alone
-    return result
 
 
-def test_the_smallest_downtime_bench_measures_every_method_consistently() -> None:
-    r = bench("--nproc", "2")
+def result(run: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = run.communicate(timeout=900)
+    assert run.returncode == 0, err[-3000:]
+    parsed: dict[str, Any] = json.loads(out)  # the JSON object alone
+    return parsed
 
+
+def test_the_smallest_downtime_benches_measure_every_method_consistently() -> None:
+    """Both at once (CI's time; their numbers are the benchmark's business, not this
+    test's, and every bound below holds however loaded the machine is)."""
+    one, two = (
+        start("--nproc", "2"),
+        start("--nproc", "4", "--nproc-per-node", "2", "--machine-only"),
+    )
+    try:
+        machines_of_one_process(result(one))
+        machines_of_two_ranks(result(two))
+    finally:
+        for run in (one, two):
+            run.kill()
+
+
+def machines_of_one_process(r: dict[str, Any]) -> None:
     noise = r["step_noise_s"]
     assert noise is not None and noise >= 0  # 14 steps are enough to measure it
     for name in ("live", "cold_standby", "failover"):
@@ -54,9 +72,8 @@ def test_the_smallest_downtime_bench_measures_every_method_consistently() -> Non
     assert r["machine"] is None  # machines of one process only
 
 
-def test_a_machine_of_two_ranks_is_moved_restarted_and_lost_whole_consistently() -> None:
-    r = bench("--nproc", "4", "--nproc-per-node", "2", "--machine-only")
-
+def machines_of_two_ranks(r: dict[str, Any]) -> None:
+    """``--machine-only``: a machine of two ranks moved, restarted and lost whole."""
     assert "live" not in r  # the runs on machines of one process were skipped
     m = r["machine"]
     assert m["nproc_per_node"] == 2

@@ -12,7 +12,7 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.integration.runtime_conftest_helpers import assert_same_as, run_job
+from tests.integration.runtime_conftest_helpers import assert_same_as, release, run_job
 from tmd import wire
 from tmd.runtime.control import standbys
 from tmd.tools.mosquitto import Mosquitto
@@ -83,9 +83,9 @@ def test_migration_over_mqtt_with_telemetry(tmp_path: Path, own_broker: Mosquitt
 
     observer = Observer(own_broker.port)
     out = tmp_path / "migrated"
-    # Slower steps than the reference's (sleeping changes no number): the workers must
-    # not finish all their steps before the standby is warm and the migration done,
-    # however busy the machine is.
+    # Slow steps (sleeping changes no number) until the switch: the workers must not
+    # finish all their steps before the standby is warm and the migration done,
+    # however busy the machine is; then full speed.
     job = run_job(
         out,
         nproc=NPROC,
@@ -93,7 +93,8 @@ def test_migration_over_mqtt_with_telemetry(tmp_path: Path, own_broker: Mosquitt
         steps=STEPS,
         job=JOB,
         broker=f"127.0.0.1:{own_broker.port}",
-        extra=["--sleep", "0.5"],
+        extra=["--held-sleep", "0.5"],
+        held=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -107,6 +108,7 @@ def test_migration_over_mqtt_with_telemetry(tmp_path: Path, own_broker: Mosquitt
         observer.acks("prepared", NPROC + 1)
         observer.send(wire.Switch(ts=time.time(), job=JOB, migration_id="mq1"))
         switched = observer.acks("switched", NPROC + 1)
+        release(out)
         codes = job.wait(timedelta(seconds=120))
         observer.drain()  # every process has exited: all they sent is at the broker
     finally:

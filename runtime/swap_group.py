@@ -1,0 +1,183 @@
+"""Process groups that keep their identity while the machines behind them change: how
+a model wrapped by torch's own parallelism (``fully_shard``, HSDP on a 2-D mesh,
+tensor parallelism, DDP) keeps training after a migration (issue 15).
+
+Those wrappers hold their ``ProcessGroup`` objects, and the ``DeviceMesh`` behind
+them, from the moment they wrap the model: FSDP2 caches the groups in every
+parameter group's mesh info, DTensors find theirs by name on each collective, DDP's
+reducer holds a pointer. Rebuilding the mesh after a migration would mean patching
+all of them. So tmd does what torchft's ``ProcessGroupWrapper`` does, one level
+further down: every group the job's mesh is made of is a ``SwappableGroup``, a
+``ProcessGroup`` of fixed rank, size and name that forwards each collective to an
+*inner* group, and a migration replaces the inner groups — built, as every group of
+tmd is, by ``tmd.runtime.group`` on a store prefix of the new generation — at a
+step boundary, when no collective is in flight. The joiner takes the leaver's rank,
+so the mesh, every shard's place in it and every DTensor stay as they were.
+
+``install`` makes the job's default world a ``SwappableGroup`` (the groups
+``init_device_mesh`` creates for a mesh's dimensions come through the same backend),
+``bind`` gives every group its inner group for a generation, keyed by the sorted
+global ranks of its members so that every process names it alike. A joiner's groups
+have no inner group until the switch; wrapping a model and creating its optimizer
+issue no collective, so it can build them before.
+
+Tested with torch 2.13.0 (gloo, CPU): FSDP2 on a 1-D mesh, HSDP on a 2-D mesh. The
+set of collectives a ``ProcessGroup`` subclass must forward changes between torch
+releases; ``install`` refuses a torch that lacks one of ``FORWARDED``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+
+from tmd.errors import MigrationError
+
+BACKEND = "tmd"
+# Every collective FSDP2, DTensor, DDP and torch.distributed.checkpoint were seen to
+# call on a group (torch 2.13), and their relatives.
+FORWARDED = (
+    "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+    "all_gather_single", "all_gather_single_coalesced", "_allgather_base",
+    "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base", "barrier",
+    "broadcast", "gather", "scatter", "reduce", "reduce_scatter",
+    "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced", "send", "recv", "recv_anysource",
+)  # fmt: skip
+
+
+class SwappableGroup(dist.ProcessGroup):
+    """A group of fixed rank and size whose collectives run on ``inner``, which
+    ``swap`` replaces; ``key`` names it the same in every member (its members' global
+    ranks, sorted)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the store-less overload
+        self.inner: Any = None
+        self._name = ""
+        self._desc = ""
+        self.key: tuple[int, ...] = ()
+
+    def swap(self, inner: Any) -> Any:
+        """Run every later collective on ``inner``; the old inner group, to shut down."""
+        old, self.inner = self.inner, inner
+        return old
+
+    def _forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is None:
+            raise MigrationError(
+                f"collective {name} on group {self.key} before it was bound: a joiner "
+                "runs no collective of the job before the switch"
+            )
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    # The name and description live in Python: the C++ base keeps none for a subclass.
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+
+def _forwarder(name: str) -> Callable[..., Any]:
+    def forward(self: SwappableGroup, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(name, *args, **kwargs)
+
+    forward.__name__ = name
+    return forward
+
+
+for _name in FORWARDED:
+    setattr(SwappableGroup, _name, _forwarder(_name))
+
+_groups: list[SwappableGroup] = []  # every group of this process, in creation order
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> SwappableGroup:
+    group = SwappableGroup(rank, size)
+    _groups.append(group)
+    return group
+
+
+def shell(backend: Any, *, rank: int, size: int, store: Any) -> Any:
+    """A ``ProcessGroup`` around one of ``tmd.runtime.group``'s backends (gloo, NCCL),
+    what a ``SwappableGroup`` forwards to."""
+    pg = dist.ProcessGroup(store, rank, size)
+    kind = (dist.ProcessGroup.BackendType.NCCL if "nccl" in type(backend).__name__.lower()
+            else dist.ProcessGroup.BackendType.GLOO)  # fmt: skip
+    device = torch.device("cuda" if kind == dist.ProcessGroup.BackendType.NCCL else "cpu")
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, backend)
+    return pg
+
+
+def install(*, rank: int, size: int) -> SwappableGroup:
+    """Make the default world a ``SwappableGroup`` of ``rank`` in ``size``, with no
+    rendezvous (the inner groups have their own); raises where it cannot."""
+    missing = [n for n in FORWARDED if not hasattr(dist.ProcessGroup, n)]
+    if missing:
+        raise MigrationError(f"torch {torch.__version__} lacks {missing}: tmd's group swap "
+                             "is tested with torch 2.13")  # fmt: skip
+    if dist.is_initialized():
+        raise MigrationError("a default process group exists: tmd's session must create it, "
+                             "before init_device_mesh and the model's wrappers")  # fmt: skip
+    if os.environ.get("TORCH_DIST_INIT_BARRIER") == "1":
+        raise MigrationError("TORCH_DIST_INIT_BARRIER=1 makes new groups run a barrier at "
+                             "creation, which a joiner cannot: unset it")  # fmt: skip
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    dist.init_process_group(BACKEND, store=HashStore(), rank=rank, world_size=size)
+    world = dist.group.WORLD
+    assert isinstance(world, SwappableGroup)
+    return world
+
+
+def groups() -> list[SwappableGroup]:
+    """Every ``SwappableGroup`` of this process, each with its ``key``."""
+    for g in _groups:
+        if not g.key:
+            g.key = tuple(sorted(dist.get_process_group_ranks(g)))
+    return list(_groups)
+
+
+def bind(build: Callable[[str, int, int], Any], generation: int) -> None:
+    """Give every group its inner group for ``generation``: ``build(prefix, rank,
+    size)`` returns one (a ``shell`` around a built backend); the prefix is the
+    same in every member. The old inner groups are shut down. Call it at a step
+    boundary, with no collective in flight."""
+    # One order in every process (the largest first, then by members), so that no two
+    # processes wait for each other on two groups in opposite orders.
+    for g in sorted(groups(), key=lambda g: (-len(g.key), g.key)):
+        prefix = f"gen{generation}/pg-" + "-".join(map(str, g.key))
+        old = g.swap(build(prefix, g.rank(), g.size()))
+        if old is not None and hasattr(old, "shutdown"):
+            old.shutdown()
