@@ -1,6 +1,7 @@
-"""Process groups that keep their identity while the machines behind them change: how
-a model wrapped by torch's own parallelism (``fully_shard``, HSDP on a 2-D mesh,
-tensor parallelism, DDP) keeps training after a migration (issue 15).
+"""Process groups that keep their identity while the machines behind them change: the
+mechanism by which a model wrapped by torch's own parallelism (``fully_shard``, HSDP
+on a 2-D mesh; tensor parallelism and DDP to come) keeps training after a migration
+(issue 15). What is tested is at the end of this docstring.
 
 Those wrappers hold their ``ProcessGroup`` objects, and the ``DeviceMesh`` behind
 them, from the moment they wrap the model: FSDP2 caches the groups in every
@@ -16,14 +17,19 @@ so the mesh, every shard's place in it and every DTensor stay as they were.
 
 ``install`` makes the job's default world a ``SwappableGroup`` (the groups
 ``init_device_mesh`` creates for a mesh's dimensions come through the same backend),
-``bind`` gives every group its inner group for a generation, keyed by the sorted
-global ranks of its members so that every process names it alike. A joiner's groups
-have no inner group until the switch; wrapping a model and creating its optimizer
-issue no collective, so it can build them before.
+``bind`` gives every group its inner group for a generation, keyed by the group's
+name, which torch gives alike in every member. A joiner's groups have no inner group
+until the switch; ``fully_shard`` and creating the optimizer issue no collective, so
+it can build them before (DDP's constructor does run collectives: not covered yet).
 
-Tested with torch 2.13.0 (gloo, CPU): FSDP2 on a 1-D mesh, HSDP on a 2-D mesh. The
-set of collectives a ``ProcessGroup`` subclass must forward changes between torch
-releases; ``install`` refuses a torch that lacks one of ``FORWARDED``.
+Tested with torch 2.13.0, gloo, CPU, eager: FSDP2 on a 1-D mesh and HSDP on a 2-D
+mesh, a rank replaced at a step boundary. Not yet: NCCL (the shell registers one
+backend for one device, so CPU-side object collectives and barriers would miss),
+DDP, tensor parallelism, a peer dead in the middle of a collective. C++ callers reach
+the Python forwarders only through torch's trampolined methods (``allgather``,
+``allreduce``, ``broadcast``, ``reduce_scatter``, their coalesced forms, ``send``,
+``recv``, ``barrier``): a compiled FSDP2 calling ``all_gather_single`` from C++ would
+miss. ``install`` refuses a torch that lacks one of ``FORWARDED``.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ BACKEND = "tmd"
 FORWARDED = (
     "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
     "all_gather_single", "all_gather_single_coalesced", "_allgather_base",
-    "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base", "barrier",
+    "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base", "all_to_all_single",
+    "barrier",
     "broadcast", "gather", "scatter", "reduce", "reduce_scatter",
     "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced", "send", "recv", "recv_anysource",
@@ -66,8 +73,22 @@ class SwappableGroup(dist.ProcessGroup):
 
     def swap(self, inner: Any) -> Any:
         """Run every later collective on ``inner``; the old inner group, to shut down."""
+        if inner.rank() != self.rank() or inner.size() != self.size():
+            raise MigrationError(f"group {self._name}: inner group of rank {inner.rank()} in "
+                                 f"{inner.size()}, not {self.rank()} in {self.size()}")  # fmt: skip
         old, self.inner = self.inner, inner
         return old
+
+    def shutdown(self) -> None:
+        if self.inner is not None:
+            self.inner.shutdown()
+
+    def abort(self) -> None:
+        if self.inner is not None:
+            self.inner.abort()
+
+    def _get_backend(self, device: Any) -> Any:
+        return self._forward("_get_backend", device)
 
     def _forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self.inner is None:
@@ -150,7 +171,7 @@ def install(*, rank: int, size: int) -> SwappableGroup:
     if dist.is_initialized():
         raise MigrationError("a default process group exists: tmd's session must create it, "
                              "before init_device_mesh and the model's wrappers")  # fmt: skip
-    if os.environ.get("TORCH_DIST_INIT_BARRIER") == "1":
+    if os.environ.get("TORCH_DIST_INIT_BARRIER", "0").strip() not in ("", "0"):
         raise MigrationError("TORCH_DIST_INIT_BARRIER=1 makes new groups run a barrier at "
                              "creation, which a joiner cannot: unset it")  # fmt: skip
     if BACKEND not in dist.Backend.backend_list:
@@ -162,7 +183,7 @@ def install(*, rank: int, size: int) -> SwappableGroup:
 
 
 def groups() -> list[SwappableGroup]:
-    """Every ``SwappableGroup`` of this process, each with its ``key``."""
+    """Every ``SwappableGroup`` of this process, each with its ``key`` (its members)."""
     for g in _groups:
         if not g.key:
             g.key = tuple(sorted(dist.get_process_group_ranks(g)))
@@ -172,12 +193,15 @@ def groups() -> list[SwappableGroup]:
 def bind(build: Callable[[str, int, int], Any], generation: int) -> None:
     """Give every group its inner group for ``generation``: ``build(prefix, rank,
     size)`` returns one (a ``shell`` around a built backend); the prefix is the
-    same in every member. The old inner groups are shut down. Call it at a step
-    boundary, with no collective in flight."""
-    # One order in every process (the largest first, then by members), so that no two
-    # processes wait for each other on two groups in opposite orders.
-    for g in sorted(groups(), key=lambda g: (-len(g.key), g.key)):
-        prefix = f"gen{generation}/pg-" + "-".join(map(str, g.key))
-        old = g.swap(build(prefix, g.rank(), g.size()))
-        if old is not None and hasattr(old, "shutdown"):
-            old.shutdown()
+    group's name, the same in every member and distinct between groups of the same
+    members. Every new inner group is built before any is swapped in, so a build that
+    fails leaves the job on its old ones; then the old ones are shut down. Call it at
+    a step boundary, with no collective in flight."""
+    # One order in every process (by name), so that no two processes wait for each
+    # other on two groups in opposite orders.
+    ordered = sorted(groups(), key=lambda g: g.group_name)
+    built = [build(f"gen{generation}/pg-{g.group_name}", g.rank(), g.size()) for g in ordered]
+    old = [g.swap(inner) for g, inner in zip(ordered, built, strict=True)]
+    for inner in old:
+        if inner is not None:
+            inner.shutdown()

@@ -7,44 +7,55 @@ included, are the benchmark's business."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
-from typing import Any
+import tempfile
+from typing import IO, Any
 
 import pytest
 
 SMALL = ["--layers", "1", "--steps", "14", "--prepare-at", "4", "--switch-at", "7", "--json"]
 
 
-def start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tmd.cli", "bench", "downtime", *args, *SMALL],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+def start(*args: str) -> tuple[subprocess.Popen[bytes], IO[bytes], IO[bytes]]:
+    """A bench in its own session, its output in files: two at once, neither can block
+    on a pipe the test does not read."""
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 (closed by the test)
+    run = subprocess.Popen([sys.executable, "-m", "tmd.cli", "bench", "downtime", *args, *SMALL],
+                           stdout=out, stderr=err, start_new_session=True)  # fmt: skip
+    return run, out, err
 
 
-def result(run: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = run.communicate(timeout=900)
-    assert run.returncode == 0, err[-3000:]
-    parsed: dict[str, Any] = json.loads(out)  # the JSON object alone
+def result(started: tuple[subprocess.Popen[bytes], IO[bytes], IO[bytes]]) -> dict[str, Any]:
+    run, out, err = started
+    run.wait(timeout=900)
+    err.seek(0)
+    assert run.returncode == 0, err.read()[-3000:].decode(errors="replace")
+    out.seek(0)
+    parsed: dict[str, Any] = json.loads(out.read())  # the JSON object alone
     return parsed
 
 
 def test_the_smallest_downtime_benches_measure_every_method_consistently() -> None:
     """Both at once (CI's time; their numbers are the benchmark's business, not this
     test's, and every bound below holds however loaded the machine is)."""
-    one, two = (
-        start("--nproc", "2"),
-        start("--nproc", "4", "--nproc-per-node", "2", "--machine-only"),
-    )
+    one = start("--nproc", "2")
+    two = start("--nproc", "4", "--nproc-per-node", "2", "--machine-only")
     try:
         machines_of_one_process(result(one))
         machines_of_two_ranks(result(two))
     finally:
-        for run in (one, two):
-            run.kill()
+        for run, *files in (one, two):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGKILL)  # the bench and the workers it started
+            run.wait()
+            for f in files:
+                f.close()
 
 
 def machines_of_one_process(r: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,16 +34,28 @@ def test_a_standby_takes_a_rank_s_shards_and_the_job_ends_where_it_would_have(
     mode: str,
 ) -> None:
     port = free_port()
+    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile())  # noqa: SIM115 (closed below)
+             for _ in range(WORLD + 1)]  # fmt: skip
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), str(i), str(WORLD), mode, str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(WORLD + 1)
+                         stdout=out, stderr=err)
+        for i, (out, err) in enumerate(files)
     ]  # fmt: skip
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for p, (out, err) in zip(procs, files, strict=True):
+            p.wait(timeout=240)
+            err.seek(0)
+            assert p.returncode == 0, err.read()[-3000:].decode(errors="replace")
+            out.seek(0)
+            results.append(json.loads(out.read().decode().strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for out, err in files:
+            out.close()
+            err.close()
     left = [r for r in results if r.get("left")]
     assert [r["process"] for r in left] == [WORLD - 1]
     trained = [r for r in results if not r.get("left")]
