@@ -2,12 +2,14 @@
 
 Data-parallel replicas hold the same bulk state, so one rank writes it with
 ``torch.distributed.checkpoint`` (planned without a process group: tmd's groups are
-its own) and every rank writes its own small state (RNG streams and data position
-differ per rank). Loading restores both, so a restarted job continues exactly
-where it stopped. Checkpoint-restart is benchmarked against live migration with
-this same code; the cold-standby baseline is ``SessionConfig(prepare_ahead=False,
-shadow_steps=0)``. Periodic, atomically committed checkpoints and the global
-rollback built on these functions are ``tmd.runtime.checkpoint``.
+its own); a model sharded by torch's parallelism (``tmd.runtime.parallel``) is
+written by every rank, collectively on the job's default world. Every rank writes
+its own small state (RNG streams and data position differ per rank). Loading
+restores both, so a restarted job continues exactly where it stopped.
+Checkpoint-restart is benchmarked against live migration with this same code; the
+cold-standby baseline is ``SessionConfig(prepare_ahead=False, shadow_steps=0)``.
+Periodic, atomically committed checkpoints and the global rollback built on these
+functions are ``tmd.runtime.checkpoint``.
 
 Loading runs no code a checkpoint's files could name: the small state is written
 with ``tmd.runtime.state.encode`` and read with ``decode`` (``torch.load`` with
@@ -43,7 +45,11 @@ def write_checkpoint(session: Session, directory: Path) -> None:
 
     small = encode(session.state.small_state())  # refuses unsafe state before any write
     directory.mkdir(parents=True, exist_ok=True)
-    if session.rank == 0:
+    if session.wrapped:
+        # Sharded state (tmd.runtime.parallel): every rank writes its shards, through
+        # the job's default world, which is tmd's current group.
+        save(_bulk(session.state), checkpoint_id=directory / "bulk")
+    elif session.rank == 0:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group": intended, see above
             save(_bulk(session.state), checkpoint_id=directory / "bulk", no_dist=True)
@@ -62,7 +68,7 @@ def save_checkpoint(session: Session, directory: Path) -> None:
 
 
 def load_checkpoint(session: Session, directory: Path) -> None:
-    load_bulk(session.state, directory / "bulk")
+    load_bulk(session.state, directory / "bulk", collective=session.wrapped)
     session.state.load_small_state(read_small_state(directory / f"small-rank{session.rank}.pt"))
 
 
@@ -84,9 +90,10 @@ def read_small_state(path: Path) -> StateDict:
     return small
 
 
-def load_bulk(state: TrainState, directory: Path) -> None:
+def load_bulk(state: TrainState, directory: Path, *, collective: bool = False) -> None:
     """Restore parameters, buffers and optimizer state from ``directory``, written by
-    ``torch.distributed.checkpoint``; nothing in its files runs (``safe_dcp``)."""
+    ``torch.distributed.checkpoint``; nothing in its files runs (``safe_dcp``).
+    ``collective``: sharded state, every rank of the default world loads its shards."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
@@ -97,7 +104,8 @@ def load_bulk(state: TrainState, directory: Path) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load(bulk, storage_reader=SafeReader(directory), planner=SafePlanner(), no_dist=True)
+            load(bulk, storage_reader=SafeReader(directory), planner=SafePlanner(),
+                 no_dist=not collective)  # fmt: skip
     except CheckpointException as exc:  # a BaseException, which names no cause itself
         causes = "; ".join(str(error) for error, _ in exc.failures.values())
         raise ValueError(f"{directory}: cannot be restored: {causes}") from exc

@@ -179,7 +179,7 @@ class Commands:
             message, rank=s.rank, membership=s.membership, store=env.store,
             timeout=cfg.group_timeout, backend=env.backend, host=env.host,
             ahead=cfg.prepare_ahead, eager_copy=cfg.eager_copy,
-            joiner_timeout=cfg.joiner_timeout,
+            joiner_timeout=cfg.joiner_timeout, wrapped=s.store if s.wrapped else None,
         )  # fmt: skip
         if self.current.is_leaver:
             self._check_joiner_size(self.current)

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 from torch._C._distributed_c10d import Store
@@ -31,6 +31,10 @@ from torch._C._distributed_c10d import Store
 from tmd import wire
 from tmd.errors import MigrationError, ProtocolError
 from tmd.runtime.group import StoreAddress, connect_store
+
+if TYPE_CHECKING:
+    from tmd.runtime.env import RuntimeEnv
+    from tmd.runtime.session_config import SessionConfig
 
 CTL_LOG = "tmd/ctl"
 ACK_LOG = "tmd/ack"
@@ -355,3 +359,20 @@ class JobController:
             self._store.get(STATUS_KEY), type=wire.JobStatus
         )
         return result
+
+
+Sink = Callable[[str, bytes], None]
+"""Where a session's telemetry goes: ``MqttControl.publish``."""
+
+
+def open_control(env: RuntimeEnv, config: SessionConfig) -> tuple[ControlChannel, Sink | None]:
+    """The control channel ``env`` names (MQTT where it names a broker, else the job's
+    store) and, over MQTT, the telemetry sink beside it."""
+    if env.mqtt is not None:
+        # paho is loaded only by a job that talks to a broker.
+        from tmd.runtime.mqtt_control import MqttControl
+
+        mqtt = MqttControl(env.mqtt, job=env.job, node=env.slot, store=env.store,
+                           max_age=config.command_max_age)  # fmt: skip
+        return mqtt, mqtt.publish
+    return StoreControl(env.store, job=env.job, poll_interval=config.control_poll), None

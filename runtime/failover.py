@@ -135,15 +135,15 @@ def recover(session: Session, error: BaseException, *, collective_started: float
         decision = _agree(session, prefix)
         detect_s = time.monotonic() - collective_started
         if decision["action"] != "replace":
-            _give_up(session, migration_id, decision["reason"], error)
+            give_up(session, migration_id, decision["reason"], error)
         plan = _plan(session, decision, prefix)
         if "swaps" not in plan:
-            _give_up(session, migration_id, plan["reason"], error)
+            give_up(session, migration_id, plan["reason"], error)
         return _replace(session, plan, prefix, detect_s=detect_s)
     except Replaced:
         raise
     except (MigrationError, RuntimeError) as exc:
-        _give_up(session, migration_id, f"recovery of generation {gen} failed: {exc}", exc)
+        give_up(session, migration_id, f"recovery of generation {gen} failed: {exc}", exc)
 
 
 def _wait_for_survivors(session: Session, prefix: str) -> None:
@@ -320,7 +320,7 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
     )  # fmt: skip
 
 
-def _give_up(session: Session, migration_id: str, reason: str, error: BaseException) -> NoReturn:
+def give_up(session: Session, migration_id: str, reason: str, error: BaseException) -> NoReturn:
     directory = session.config.checkpoint_dir
     failure = RestartRequired(
         reason, checkpoint_step=None if directory is None else latest_step(Path(directory))

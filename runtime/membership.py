@@ -82,6 +82,9 @@ class Reconfiguration:
     rank: int
     switch: PendingSwitch | None = None
     """A planned switch: its downtime is acked once the first step on ``group`` ends."""
+    inner: dict[str, Group] | None = None
+    """A job wrapped by torch's parallelism (``tmd.runtime.parallel``): the next inner
+    group of each of its groups but the world, by group name."""
     median_step_s: float | None = None
     """A process new to the job (joiner, standby taking over) starts its step history
     from the median step of the rank it replaces, to measure its first step against."""

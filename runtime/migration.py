@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+from torch._C._distributed_c10d import Store
 
 from tmd import wire
 from tmd.errors import MigrationError
+from tmd.runtime import swap_group
 from tmd.runtime.env import slot_name
 from tmd.runtime.group import Group, GroupBuilder, StoreAddress
 from tmd.runtime.liveness import PeerWatch
@@ -41,6 +43,12 @@ def no_votes() -> torch.Tensor:
 
 def world_prefix(migration_id: str) -> str:
     return f"tmd/mig/{migration_id}/world"
+
+
+def groups_key(migration_id: str) -> str:
+    """Set by a joiner of a wrapped job once its mesh exists, so its groups' inner
+    groups can be built: the stayers start building theirs when they see it."""
+    return f"tmd/mig/{migration_id}/groups"
 
 
 def xfer_prefix(migration_id: str, local_rank: int) -> str:
@@ -75,7 +83,12 @@ class Migration:
     host: str
     ahead: bool = True
     eager_copy: bool = False
+    wrapped: Store | None = None
+    """A job wrapped by torch's parallelism (``tmd.runtime.parallel``): the job's store,
+    where the joiner says when the inner groups can be built. A stayer then builds
+    them beside the next group."""
     builder: GroupBuilder | None = None
+    inner: dict[str, GroupBuilder] | None = None
     watch: PeerWatch | None = None
     started: float = field(default_factory=time.monotonic)
     channel: TransferChannel | None = None
@@ -103,6 +116,7 @@ class Migration:
         ahead: bool = True,
         eager_copy: bool = False,
         joiner_timeout: timedelta = timedelta(seconds=5),
+        wrapped: Store | None = None,
     ) -> Migration:
         mig = cls(
             prepare=prepare,
@@ -117,6 +131,7 @@ class Migration:
             host=host,
             ahead=ahead,
             eager_copy=eager_copy,
+            wrapped=wrapped,
         )
         if ahead:
             mig._start_build()
@@ -145,6 +160,27 @@ class Migration:
                                         backend=self.backend, host=self.host)  # fmt: skip
         return self.builder
 
+    def _start_inner(self) -> dict[str, GroupBuilder]:
+        self.inner = swap_group.start_inner(self.store, world_prefix(self.id),
+                                            timeout=self.timeout, backend=self.backend,
+                                            host=self.host)  # fmt: skip
+        return self.inner
+
+    def _inner_pending(self) -> bool:
+        """A stayer of a wrapped job whose inner groups are not all built yet (starting
+        their build once the joiner is ready for it); records a failed build."""
+        if self.wrapped is None or self.is_leaver:
+            return False
+        if self.inner is None:
+            if not self.wrapped.check([groups_key(self.id)]):
+                return True
+            self._start_inner()
+        assert self.inner is not None
+        for builder in self.inner.values():
+            if builder.failed():
+                self.abort_reason = f"group build failed: {builder.error}"
+        return not all(b.done() for b in self.inner.values())
+
     # -- progress at boundaries --------------------------------------------------------
 
     def advance(self, state: TrainState, membership: Membership) -> None:
@@ -158,6 +194,8 @@ class Migration:
         if builder.failed():
             self.abort_reason = f"group build failed: {builder.error}"
             return
+        if self.ahead and builder.done():
+            self._inner_pending()
         if not self.is_leaver or not builder.done():
             return
         if self.watch is not None and self.watch.lost():
@@ -174,8 +212,12 @@ class Migration:
     def finish_preparation(self, state: TrainState, membership: Membership) -> None:
         """At the switch: whatever was not prepared ahead is done now, blocking."""
         builder = self.builder or self._start_build()
-        if not builder.wait(self.timeout):
-            raise MigrationError(f"group {builder.prefix} not built in {self.timeout}")
+        builders = [builder]
+        if self.wrapped is not None and not self.is_leaver:
+            builders += (self.inner or self._start_inner()).values()
+        for b in builders:
+            if not b.wait(self.timeout):
+                raise MigrationError(f"group {b.prefix} not built in {self.timeout}")
         if self.is_leaver:
             if self.channel is None:
                 self._open_channel(membership)
@@ -220,6 +262,8 @@ class Migration:
             return True
         if self.builder is None or not self.builder.done() or self.builder.failed():
             return False
+        if self._inner_pending():
+            return False
         return not self.is_leaver or self.channel is not None
 
     def ready(self) -> bool:
@@ -240,16 +284,23 @@ class Migration:
 
     # -- the leaver's lock-step forwarding ---------------------------------------------
 
-    def before_update(self, state: TrainState, buffers: list[torch.Tensor]) -> None:
+    def before_update(self, state: TrainState, buffers: list[torch.Tensor] | None) -> None:
         """Leaver, after the all-reduce and before the optimizer: make sure the
         snapshot has left (the optimizer is about to write those tensors), then
-        forward this step's averaged gradients and hyper-parameters."""
+        forward this step's averaged gradients and hyper-parameters. ``buffers``: the
+        reducer's; None for a wrapped model, whose gradients (this rank's shards,
+        clipped) go as they are."""
         if not self.is_leaver or self.snapshot_step is None or self.abort_reason is not None:
             return
         assert self.channel is not None
         try:
             self.channel.flush()
             self.snapshot_flushed = True
+            if buffers is None:
+                has_grad, grads = state.local_grads()
+                payload = {"hyperparams": state.hyperparams(), "has_grad": has_grad}
+                self.channel.send(Kind.GRADS, state.step + 1, payload, grads)
+                return
             self.channel.send(Kind.GRADS, state.step + 1, state.hyperparams(), buffers)
         except MigrationError as exc:
             self.abort_reason = str(exc)
@@ -275,6 +326,14 @@ class Migration:
             raise MigrationError("no group was built")
         return self.builder.result()
 
+    def new_inner(self) -> dict[str, Group] | None:
+        """A wrapped job's next inner groups, by name (None: not a wrapped job)."""
+        if self.wrapped is None:
+            return None
+        if self.inner is None:
+            raise MigrationError("the inner groups were not built")
+        return {name: b.result() for name, b in self.inner.items()}
+
     def close(self, *, tell_joiner: bool) -> None:
         """Drop everything this migration built; on abort, tell a connected joiner."""
         channel, self.channel = self.channel, None
@@ -285,7 +344,8 @@ class Migration:
                 channel.flush()
             except MigrationError:
                 pass  # a joiner that is gone needs no telling
-        if self.builder is not None:
-            self.builder.abandon()
+        for builder in [self.builder, *(self.inner or {}).values()]:
+            if builder is not None:
+                builder.abandon()
         if self.watch is not None:
             self.watch.close()

@@ -42,17 +42,17 @@ import torch
 
 from tmd import wire
 from tmd.errors import ConfigError, MigrationError, RestartRequired
-from tmd.runtime import checkpoint, liveness, standby
+from tmd.runtime import checkpoint, liveness, parallel, standby, swap_group
 from tmd.runtime.commands import AckKind, Commands
-from tmd.runtime.control import ControlChannel, StoreControl
+from tmd.runtime.control import ControlChannel, open_control
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.failover import Recovery, Replaced, failure_reported, recover
+from tmd.runtime.failover import Recovery, Replaced, failure_reported, give_up, recover
 from tmd.runtime.group import Group, connect_store, make_group
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.migration import VOTE_RESTART, no_votes
 from tmd.runtime.reducer import GradientReducer
 from tmd.runtime.session_config import SessionConfig
-from tmd.runtime.state import Stateful, TrainState
+from tmd.runtime.state import Stateful, TrainState, is_dtensor
 from tmd.runtime.telemetry import Telemetry
 from tmd.runtime.timing import PendingSwitch, StepTimes
 
@@ -72,7 +72,13 @@ class Session:
         self.config = config or SessionConfig()
         self.env = env or RuntimeEnv.from_environ()
         self.state = TrainState(model, optimizer, scheduler, dict(stateful or {}))
-        self.reducer = GradientReducer(self.state.params(), bucket_bytes=self.config.bucket_bytes)
+        self.wrapped = _wrapped(model, self.state)
+        """The model is wrapped by torch's parallelism on groups tmd swaps
+        (``tmd.runtime.parallel``): the wrapper reduces the gradients, not the session."""
+        self.reducer: GradientReducer | None = None
+        if not self.wrapped:
+            self.reducer = GradientReducer(self.state.params(),
+                                           bucket_bytes=self.config.bucket_bytes)  # fmt: skip
         self.world_size = self.env.world_size
         self.created = time.monotonic()
         # Where this process stands in the job: written by ``reconfigure`` alone.
@@ -97,6 +103,7 @@ class Session:
         self.excluded: list[str] = []
         """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
+        self._place = parallel.take_place() if self.wrapped and self._role == "standby" else None
         self._presence: liveness.Presence | None = None  # a worker's, once it is one
         self.store = connect_store(self.env.store, timeout=self.config.store_timeout)
         self.telemetry = Telemetry(None, job=self.env.job, node=self.env.node, rank=self.rank)
@@ -135,6 +142,8 @@ class Session:
             # be in flight.
             self._retired.append(self._group)
             liveness.wake(self.store, self._membership.generation)  # Presence moves on
+        if change.inner is not None:
+            self._retired += swap_group.bind_inner(change.group, change.inner, self.store)
         self._group = change.group
         self._membership = change.membership
         self._rank = change.rank
@@ -160,18 +169,10 @@ class Session:
 
     def __enter__(self) -> Session:
         sink = None
-        if self._control is None and self.env.mqtt is not None:
-            # paho is loaded only by a job that talks to a broker.
-            from tmd.runtime.mqtt_control import MqttControl
-
-            mqtt = MqttControl(self.env.mqtt, job=self.env.job, node=self.env.slot,
-                               store=self.env.store,
-                               max_age=self.config.command_max_age)  # fmt: skip
-            self._control, sink = mqtt, mqtt.publish
+        if self._place is not None:  # a standby of a wrapped job: its channel is open
+            self._control, sink = self._place.control, self._place.sink
         elif self._control is None:
-            self._control = StoreControl(
-                self.env.store, job=self.env.job, poll_interval=self.config.control_poll
-            )
+            self._control, sink = open_control(self.env, self.config)
         self.telemetry = Telemetry(
             sink, job=self.env.job, node=self.env.node, rank=self.rank,
             run=self.env.restart_count, flush_interval=self.config.telemetry_flush,
@@ -180,6 +181,15 @@ class Session:
         try:
             if self.role == "worker":
                 self._join_initial_group()
+            elif self._place is not None:  # ready and prepared for a rank (parallel.init)
+                self.warmup_s = self._place.warmup_s
+                for mid in self._place.seen:
+                    self.commands.first_seen(mid)
+                self.stopped = self._place.prepared is None  # the job stopped first
+            elif self.wrapped:
+                raise ConfigError("TMD_ROLE", "a standby of a job wrapped by torch's "
+                                  "parallelism must call tmd.runtime.parallel.init() "
+                                  "before it builds its mesh")  # fmt: skip
             else:
                 standby.announce(self, "warming")
         except BaseException:
@@ -190,10 +200,15 @@ class Session:
 
     def _join_initial_group(self) -> None:
         self.store.set(f"tmd/gen0/node/{self.rank}", f"{self.env.local_rank} {self.env.node}")
+        cfg, env = self.config, self.env
         group = make_group(
             self.store, "tmd/gen0/world", rank=self.rank, size=self.world_size,
-            timeout=self.config.group_timeout, backend=self.env.backend, host=self.env.host,
+            timeout=cfg.group_timeout, backend=env.backend, host=env.host,
         )  # fmt: skip
+        inner = None
+        if self.wrapped:
+            inner = swap_group.build_inner(self.store, "tmd/gen0", timeout=cfg.group_timeout,
+                                           backend=env.backend, host=env.host)  # fmt: skip
         slots = [
             bytes(self.store.get(f"tmd/gen0/node/{r}")).decode().split(" ", 1)
             for r in range(self.world_size)
@@ -206,7 +221,7 @@ class Session:
             raise ConfigError(
                 "LOCAL_RANK", f"{exc} (or TMD_NODE: two hosts with one name)"
             ) from None
-        self.reconfigure(Reconfiguration(group, membership, rank=self.rank))
+        self.reconfigure(Reconfiguration(group, membership, rank=self.rank, inner=inner))
         if self.config.checkpoint_dir is not None:
             self.restored_step = checkpoint.restore(self)
         self.capture_boundary()
@@ -231,6 +246,15 @@ class Session:
         standby that never joined) the job stopped."""
         self.timing.mark_step_end(time.monotonic())
         while not (self.left or self.stopped):
+            if self._place is not None:  # a wrapped standby, prepared for a rank
+                place, self._place = self._place, None
+                joined = parallel.finish_join(self, place)
+                if joined is None:
+                    self.stopped = True  # it cannot serve another rank
+                else:
+                    self.reconfigure(joined)
+                self.timing.mark_step_end(time.monotonic())
+                continue
             if self.is_shadow and self.shadow_steps_done >= self.config.shadow_steps:
                 self.warmup_s = time.monotonic() - self.created
                 joined = standby.stand_by(self)  # this process's place, or the job stopped
@@ -262,6 +286,9 @@ class Session:
         compute_end = time.monotonic()
         if self.is_shadow:
             self._shadow_step()
+            return
+        if self.reducer is None:
+            self._wrapped_step(compute_end)
             return
         mig = self.commands.current
         if mig is not None:
@@ -308,15 +335,43 @@ class Session:
         self._record(compute_end, reduced, end)
         self._boundary(votes)
 
+    def _wrapped_step(self, compute_end: float) -> None:
+        """A wrapped model's step: its gradients were reduced during backward; the
+        votes go through one all-reduce on tmd's group, then the update."""
+        mig = self.commands.current
+        votes = no_votes() if mig is None else mig.votes(self.state.step + 1)
+        votes[VOTE_RESTART] = int(self.commands.restart_asked)
+        assert self.group is not None
+        try:
+            self.group.allreduce([votes]).wait()
+        except RuntimeError as exc:
+            self.commands.drop()
+            give_up(self, f"failover-g{self.membership.generation}",
+                    f"a member failed: in-place failover of a job wrapped by torch's "
+                    f"parallelism is not built yet ({exc})", exc)  # fmt: skip
+        reduced = time.monotonic()
+        self.clip()
+        if mig is not None:
+            mig.before_update(self.state, None)  # the clipped gradients, as applied
+        self.apply_update(clip=False)
+        end = time.monotonic()
+        self._record(compute_end, reduced, end)
+        self._boundary(votes)
+
     def member_failed(self) -> bool:
         """Has a member of the current generation reported a failed collective?"""
         return failure_reported(self.store, self.membership.generation)
 
-    def apply_update(self, *, step_scheduler: bool = True) -> None:
-        """The optimizer's use of the averaged gradients; a lock-step joiner runs
-        exactly this on the gradients the leaver forwards."""
+    def clip(self) -> None:
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.state.params(), self.config.max_grad_norm)
+
+    def apply_update(self, *, step_scheduler: bool = True, clip: bool = True) -> None:
+        """The optimizer's use of the averaged gradients; a lock-step joiner runs
+        exactly this on the gradients the leaver forwards (already clipped where the
+        model is wrapped: clipping a sharded gradient takes the whole job's norm)."""
+        if clip:
+            self.clip()
         self.state.optimizer.step()
         if step_scheduler and self.state.scheduler is not None:
             self.state.scheduler.step()  # type: ignore[attr-defined]
@@ -327,6 +382,7 @@ class Session:
         # A sandboxed iteration: the all-reduce is answered with this rank's own
         # gradients, i.e. what every replica agreeing would produce. Real tensors,
         # real kernels, no network.
+        assert self.reducer is not None  # a wrapped standby runs no shadow iteration
         self.reducer.load(None)
         self.apply_update()
         self.shadow_steps_done += 1
@@ -447,6 +503,20 @@ class Session:
                 run=self.env.restart_count,
             )
         )  # fmt: skip
+
+
+def _wrapped(model: torch.nn.Module, state: TrainState) -> bool:
+    """Is ``model`` wrapped by torch's parallelism on tmd's swappable groups? Raises
+    where it is wrapped in a way tmd cannot move."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError("model", "DistributedDataParallel is not covered yet: pass the "
+                          "module itself, the session averages the gradients")  # fmt: skip
+    sharded = any(is_dtensor(p) for p in state.params())
+    if sharded and not swap_group.installed():
+        raise ConfigError("model", "its parameters are DTensors (fully_shard or tensor "
+                          "parallelism) on groups tmd cannot swap: call "
+                          "tmd.runtime.parallel.init() before init_device_mesh")  # fmt: skip
+    return swap_group.installed()
 
 
 def session(

@@ -27,18 +27,22 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
+from torch._C._distributed_c10d import Store
 
 from tmd import wire
 from tmd.errors import MigrationError
-from tmd.runtime.control import STATUS_KEY, register_standby
+from tmd.runtime.commands import AckKind
+from tmd.runtime.control import STATUS_KEY, ControlChannel, register_standby
+from tmd.runtime.env import RuntimeEnv
 from tmd.runtime.failover import failure_reported, plan_key, take_over
 from tmd.runtime.group import GroupBuilder
 from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.migration import world_prefix, xfer_prefix
+from tmd.runtime.session_config import SessionConfig
 from tmd.runtime.timing import PendingSwitch
 from tmd.runtime.transfer import Kind, TransferChannel
 
@@ -46,7 +50,26 @@ if TYPE_CHECKING:
     from tmd.runtime.session import Session
 
 
-def announce(session: Session, state: Literal["warming", "ready", "joining", "failed"]) -> None:
+class Standing(Protocol):
+    """What standing by and the first phase of a join need of a session; a standby of
+    a job wrapped by torch's parallelism has them before its session
+    (``tmd.runtime.parallel``)."""
+
+    env: RuntimeEnv
+    config: SessionConfig
+    store: Store
+    warmup_s: float | None
+
+    @property
+    def control(self) -> ControlChannel: ...
+
+    def ack(
+        self, migration_id: str, kind: AckKind, *, detail: str = "",
+        downtime: wire.Downtime | None = None,
+    ) -> None: ...  # fmt: skip
+
+
+def announce(session: Standing, state: Literal["warming", "ready", "joining", "failed"]) -> None:
     warmup_s = session.warmup_s if state == "ready" else None
     env = session.env
     info = wire.StandbyInfo(node=env.node, state=state, warmup_s=warmup_s,
@@ -82,7 +105,7 @@ def stand_by(session: Session) -> Reconfiguration | None:
 
 
 def _wait_built(
-    session: Session, builder: GroupBuilder, migration_id: str, failed: Callable[[], bool]
+    session: Standing, builder: GroupBuilder, migration_id: str, failed: Callable[[], bool]
 ) -> bool:
     """Wait for a group build, watching for an abort of this migration, and for a
     failure in the job (``failed``): a member died, so this migration is off and the
@@ -99,7 +122,7 @@ def _wait_built(
     return True
 
 
-def _job_failure(session: Session) -> Callable[[], bool]:
+def _job_failure(session: Standing) -> Callable[[], bool]:
     """Whether a member of the job's generation (as its status in the store says now)
     reported a failed collective since."""
     store = session.store
@@ -120,21 +143,35 @@ def join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
 def _join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
     mid = prepare.migration_id
     announce(session, "joining")
-    prepared = _prepare(session, mid)
+    prepared = prepare_join(session, mid)
     if prepared is None:
         session.ack(mid, "aborted")
         return None
+    return complete_join(session, mid, prepared)
+
+
+def complete_join(
+    session: Session, mid: str, prepared: Prepared,
+    inner: dict[str, GroupBuilder] | None = None,
+) -> Reconfiguration | None:  # fmt: skip
+    """Phases 2 and 3 of a join: ack prepared, follow the leaver until the switch, and
+    commit on the new group. ``inner``: the builders of the inner groups of a job
+    wrapped by torch's parallelism (``tmd.runtime.parallel``)."""
     session.ack(mid, "prepared")
     # The bulk state comes once a switch is requested; until then this waits idle.
     arrived = _follow(session, prepared.channel)
     world = prepared.world
+    builders = [world, *(inner or {}).values()]
     if arrived is None:
-        world.abandon()
+        for builder in builders:
+            builder.abandon()
         session.ack(mid, "aborted")
         return None
-    if not world.wait(session.config.group_timeout):
-        raise MigrationError("next group not built at the switch")
+    for builder in builders:
+        if not builder.wait(session.config.group_timeout):
+            raise MigrationError(f"group {builder.prefix} not built at the switch")
     group = world.result()
+    groups = None if inner is None else {name: b.result() for name, b in inner.items()}
     total = torch.tensor([1], dtype=torch.int64)
     group.allreduce([total]).wait()
     if int(total.item()) != len(prepared.membership.nodes):
@@ -147,11 +184,11 @@ def _join(session: Session, prepare: wire.Prepare) -> Reconfiguration | None:
         switch_s=max(0.0, resumed - arrived.started - arrived.transfer_s),
     )  # fmt: skip
     return Reconfiguration(group, prepared.membership, rank=prepared.rank, switch=timing,
-                           median_step_s=arrived.median_step_s)  # fmt: skip
+                           inner=groups, median_step_s=arrived.median_step_s)  # fmt: skip
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class Prepared:
     """Phase 1 done: the leaver said who to be, and the next group is built."""
 
     channel: TransferChannel
@@ -160,7 +197,7 @@ class _Prepared:
     world: GroupBuilder
 
 
-def _prepare(session: Session, mid: str) -> _Prepared | None:
+def prepare_join(session: Standing, mid: str) -> Prepared | None:
     """Phase 1: the channel to the leaver, which says the rank and members to join
     as, and the next group built with the stayers. None: aborted."""
     cfg, env = session.config, session.env
@@ -183,7 +220,7 @@ def _prepare(session: Session, mid: str) -> _Prepared | None:
     if not _wait_built(session, world, mid, failed):
         return None
     world.result()  # raises if the build failed
-    return _Prepared(channel, membership, rank, world)
+    return Prepared(channel, membership, rank, world)
 
 
 @dataclass(frozen=True)
@@ -214,10 +251,16 @@ def _follow(session: Session, channel: TransferChannel) -> _Arrived | None:
         header, payload = channel.recv()
         received = time.monotonic()
         if header.kind is Kind.GRADS:
-            state.load_hyperparams(payload)
-            channel.recv_tensors(session.reducer.buffers)
-            session.reducer.load(session.reducer.buffers)
-            session.apply_update(step_scheduler=False)  # the schedule arrives at the switch
+            if session.reducer is None:  # a wrapped model: this rank's shards, clipped
+                state.load_hyperparams(payload["hyperparams"])
+                channel.recv_tensors(state.receive_grads(payload["has_grad"]))
+                session.apply_update(step_scheduler=False, clip=False)
+            else:
+                state.load_hyperparams(payload)
+                channel.recv_tensors(session.reducer.buffers)
+                session.reducer.load(session.reducer.buffers)
+                # The schedule arrives at the switch.
+                session.apply_update(step_scheduler=False)
             state.step = header.step
             lockstep_steps += 1
         elif header.kind is Kind.SWITCH:

@@ -25,6 +25,7 @@ import io
 import pickle
 import random
 import re
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -91,7 +92,12 @@ class TrainState:
         for p in self.params():
             entries: list[tuple[str, tuple[Any, ...]]] = []
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor):
+                if is_dtensor(value):
+                    # Sharded like its parameter (torch's optimizers keep the moments
+                    # of a DTensor as DTensors of its placement): this rank's shard
+                    # travels, into a tensor the receiver allocates like the parameter.
+                    entries.append((key, ("d", tuple(value.shape), value.dtype)))
+                elif isinstance(value, torch.Tensor):
                     entries.append((key, ("t", tuple(value.shape), value.dtype)))
                 else:
                     entries.append((key, ("v", value)))
@@ -100,12 +106,14 @@ class TrainState:
 
     def bulk_tensors(self) -> list[torch.Tensor]:
         """Model parameters and buffers, then optimizer tensors in manifest order.
-        Views of the live storage: sending them copies nothing."""
-        tensors = [t.detach() for t in self.model.state_dict(keep_vars=True).values()]
+        Views of the live storage: sending them copies nothing. A DTensor (a model
+        wrapped by ``fully_shard`` or tensor parallelism) is this rank's shard of it,
+        the tensor its collectives read and write."""
+        tensors = [local(t.detach()) for t in self.model.state_dict(keep_vars=True).values()]
         for p in self.params():
             for _, value in sorted(self.optimizer.state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor):
-                    tensors.append(value)
+                    tensors.append(local(value))
         return tensors
 
     def receive_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
@@ -125,13 +133,46 @@ class TrainState:
                     continue
                 shape, dtype = rest
                 have = state.get(key)
-                if not (
+                if (
                     isinstance(have, torch.Tensor)
                     and tuple(have.shape) == shape
                     and have.dtype == dtype
+                    and is_dtensor(have) == (kind == "d")
                 ):
+                    continue
+                if kind == "d":
+                    if tuple(p.shape) != shape:
+                        raise ValueError(
+                            f"optimizer state {key!r} of shape {shape} is sharded, but its "
+                            f"parameter has shape {tuple(p.shape)}: tmd moves sharded state "
+                            "only where it is sharded like its parameter"
+                        )
+                    # Allocated like the parameter, placement and mesh included: no
+                    # communication, and the shard comes in place.
+                    state[key] = torch.empty_like(p, dtype=dtype)
+                else:
                     state[key] = torch.empty(shape, dtype=dtype, device=p.device)
         return self.bulk_tensors()
+
+    def local_grads(self) -> tuple[list[bool], list[torch.Tensor]]:
+        """Which parameters have a gradient, and this rank's part of each of those (the
+        local shard of a DTensor's): what a leaver of a wrapped model forwards."""
+        grads = [p.grad for p in self.params()]
+        return [g is not None for g in grads], [local(g) for g in grads if g is not None]
+
+    def receive_grads(self, has_grad: list[bool]) -> list[torch.Tensor]:
+        """Give the parameters a peer's ``local_grads`` says have a gradient a fresh
+        one (a DTensor like the parameter), the others none; the tensors to receive
+        the peer's into, this rank's part of each."""
+        params = self.params()
+        if len(has_grad) != len(params):
+            raise ValueError(f"peer has {len(has_grad)} parameters, this rank {len(params)}")
+        out = []
+        for p, has in zip(params, has_grad, strict=True):
+            p.grad = torch.empty_like(p) if has else None
+            if p.grad is not None:
+                out.append(local(p.grad))
+        return out
 
     # -- small -------------------------------------------------------------------------
 
@@ -160,6 +201,22 @@ class TrainState:
             self.scheduler.load_state_dict(state["scheduler"])
         for name, obj in self.stateful.items():
             obj.load_state_dict(state["stateful"][name])
+
+
+def is_dtensor(value: object) -> bool:
+    """Is ``value`` a ``torch.distributed.tensor.DTensor``? (None can exist before
+    that module is imported, so a job without one never imports it.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (an alias of the
+    storage its collectives use, under ``no_grad``), else ``t`` itself."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()  # type: ignore[attr-defined,no-any-return]
+    return t
 
 
 # The types ``torch.load(weights_only=True)`` rebuilds by default, by exact type:

@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore
+from torch._C._distributed_c10d import HashStore, Store
 
 from tmd.errors import MigrationError
+from tmd.runtime.group import Group, GroupBuilder, StoreAddress, make_group
 
 BACKEND = "tmd"
 # Every collective FSDP2, DTensor, DDP and torch.distributed.checkpoint were seen to
@@ -93,8 +94,11 @@ class SwappableGroup(dist.ProcessGroup):
     def _forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self.inner is None:
             raise MigrationError(
-                f"collective {name} on group {self.key} before it was bound: a joiner "
-                "runs no collective of the job before the switch"
+                f"collective {name} on group {self.group_name} before the session bound "
+                "it: the mesh and the model's wrappers must be built without "
+                "communication, as a standby builds them before it joins (tensor "
+                "parallelism: parallelize_module(..., src_data_rank=None), every rank "
+                "holding the same initial weights)"
             )
         return getattr(self.inner, name)(*args, **kwargs)
 
@@ -190,6 +194,21 @@ def groups() -> list[SwappableGroup]:
     return list(_groups)
 
 
+def installed() -> bool:
+    """Is the default world a ``SwappableGroup`` (``install`` ran in this process)?"""
+    return dist.is_initialized() and isinstance(dist.group.WORLD, SwappableGroup)
+
+
+def swap_all(inner: Callable[[SwappableGroup], Any]) -> list[Any]:
+    """Give every group the inner group ``inner(group)`` returns, all at once; the old
+    inner groups, in no particular order. Every inner group is asked for before any is
+    swapped in, so one that cannot be had leaves the job on its old ones. Call it at
+    a step boundary, with no collective in flight."""
+    ordered = sorted(groups(), key=lambda g: g.group_name)
+    built = [inner(g) for g in ordered]
+    return [g.swap(new) for g, new in zip(ordered, built, strict=True)]
+
+
 def bind(build: Callable[[str, int, int], Any], generation: int) -> None:
     """Give every group its inner group for ``generation``: ``build(prefix, rank,
     size)`` returns one (a ``shell`` around a built backend); the prefix is the
@@ -199,9 +218,75 @@ def bind(build: Callable[[str, int, int], Any], generation: int) -> None:
     a step boundary, with no collective in flight."""
     # One order in every process (by name), so that no two processes wait for each
     # other on two groups in opposite orders.
-    ordered = sorted(groups(), key=lambda g: g.group_name)
-    built = [build(f"gen{generation}/pg-{g.group_name}", g.rank(), g.size()) for g in ordered]
-    old = [g.swap(inner) for g, inner in zip(ordered, built, strict=True)]
+    old = swap_all(lambda g: build(f"gen{generation}/pg-{g.group_name}", g.rank(), g.size()))
     for inner in old:
         if inner is not None:
             inner.shutdown()
+
+
+# -- the inner groups, built by tmd.runtime.group ---------------------------------------
+
+
+def specs() -> list[tuple[str, int, int]]:
+    """Every group of the job but the world, as ``(name, rank, size)``, by name: the
+    world's inner group is tmd's own group of the generation."""
+    world = dist.group.WORLD
+    return sorted((g.group_name, g.rank(), g.size()) for g in groups() if g is not world)
+
+
+def inner_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}/pg-{name}"
+
+
+def build_inner(
+    store: Store, prefix: str, *, timeout: timedelta, backend: str, host: str
+) -> dict[str, Group]:
+    """Build every group's next inner backend now, in one order in every process (by
+    name, so that no two processes wait for each other on two groups in opposite
+    orders); blocks until all are built."""
+    return {
+        name: make_group(
+            store,
+            inner_prefix(prefix, name),
+            rank=rank,
+            size=size,
+            timeout=timeout,
+            backend=backend,
+            host=host,
+        )
+        for name, rank, size in specs()
+    }
+
+
+def start_inner(
+    address: StoreAddress, prefix: str, *, timeout: timedelta, backend: str, host: str
+) -> dict[str, GroupBuilder]:
+    """Start building every group's next inner backend, each in its own thread."""
+    return {
+        name: GroupBuilder(
+            address,
+            inner_prefix(prefix, name),
+            rank=rank,
+            size=size,
+            timeout=timeout,
+            backend=backend,
+            host=host,
+        )
+        for name, rank, size in specs()
+    }
+
+
+def bind_inner(world: Group, inner: dict[str, Group], store: Store) -> list[Any]:
+    """Swap in tmd's group ``world`` beneath the default world and ``inner[name]``
+    beneath every other group; the old inner groups (to keep until no collective of
+    theirs can be in flight)."""
+    want = {name for name, _, _ in specs()}
+    if set(inner) != want:
+        raise MigrationError(f"inner groups for {sorted(inner)}, the job has {sorted(want)}")
+    top = dist.group.WORLD
+
+    def wrap(g: SwappableGroup) -> Any:
+        backend = world if g is top else inner[g.group_name]
+        return shell(backend, rank=g.rank(), size=g.size(), store=store)
+
+    return [old for old in swap_all(wrap) if old is not None]

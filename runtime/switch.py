@@ -81,10 +81,10 @@ def commit(session: Session, mig: Migration) -> Reconfiguration | None:
     old, world = session.group, session.world_size
     assert old is not None
     ok = 1
-    new = None
+    new = inner = None
     try:
         mig.finish_preparation(session.state, session.membership)
-        new = mig.new_group()
+        new, inner = mig.new_group(), mig.new_inner()
         ok = int(_sum(new, 1) == world)
     except (MigrationError, RuntimeError) as exc:
         ok = 0
@@ -97,4 +97,5 @@ def commit(session: Session, mig: Migration) -> Reconfiguration | None:
         mig.id, last_step_end=last_step_end, resumed=resumed,
         stop_s=started - last_step_end, switch_s=resumed - started,
     )  # fmt: skip
-    return Reconfiguration(new, mig.after(session.membership), rank=session.rank, switch=timing)
+    return Reconfiguration(new, mig.after(session.membership), rank=session.rank, switch=timing,
+                           inner=inner)  # fmt: skip

@@ -132,7 +132,7 @@ def test_a_planted_small_state_file_is_refused_and_runs_nothing(tmp_path: Path, 
 
 
 def _session(state: TrainState) -> Session:
-    return cast(Session, SimpleNamespace(rank=0, state=state))
+    return cast(Session, SimpleNamespace(rank=0, state=state, wrapped=False))
 
 
 def test_a_planted_bulk_table_of_contents_is_refused_and_runs_nothing(tmp_path: Path) -> None:

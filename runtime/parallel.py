@@ -1,0 +1,205 @@
+"""Jobs wrapped by torch's own parallelism: FSDP2 (``fully_shard``), HSDP and tensor
+parallelism on a ``DeviceMesh``, migrated live by swapping the groups beneath them.
+
+    import tmd.runtime as rt
+    from tmd.runtime import parallel
+
+    parallel.init()                               # where init_process_group() was
+    mesh = init_device_mesh("cpu", (world,))      # or (replicas, shards), (dp, tp)
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with rt.session(model, optimizer) as s:
+        for step in s.steps(total):
+            loss_fn(model(x), y).backward()       # FSDP reduces the gradients
+            s.step()                              # the optimizer, then the boundary
+
+``init`` makes the job's default world a group tmd can swap
+(``tmd.runtime.swap_group``), so every group the mesh is made of is one too. On a
+worker it returns at once, with the worker's rank. A standby has no rank until a
+migration names it, and the wrapper shards the model by rank: ``init`` registers it
+ready, waits for a ``Prepare`` naming its machine, learns from the leaver the rank it
+will take, builds the job's next group with the stayers, and returns that rank. The
+script then builds its mesh and model as any worker does, and its session takes the
+leaver's shards (parameters and optimizer state, pre-copied, then kept in lock-step
+with the leaver's clipped gradient shards) and joins at the switch. So a standby of
+a wrapped job runs no shadow iterations (its forward would need the job's
+all-gathers), and once prepared for a rank it serves that migration only: if the
+migration is aborted the process ends its loop and exits (the launcher or the pool
+starts a fresh standby). If the job stops first, ``init`` returns 0 and the loop
+runs no step.
+
+In the session, a wrapped model (``Session.wrapped``) has no gradient reducer (the
+wrapper reduced the gradients during backward); the step's migration votes go
+through one small all-reduce on tmd's own group, and the update (clipping, optimizer,
+scheduler) runs as for data parallelism. Not covered yet, each refused with an error
+that says so: in-place failover (a member lost mid-step makes every survivor raise
+``RestartRequired``: the job rolls back to its checkpoint, which is sharded, written
+collectively with ``torch.distributed.checkpoint``), ``DistributedDataParallel``
+(its constructor runs collectives a joiner cannot join), NCCL (see ``swap_group``).
+Tested with torch 2.13.0 on gloo and the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch._C._distributed_c10d import Store
+
+from tmd import wire
+from tmd.runtime import swap_group
+from tmd.runtime.commands import AckKind
+from tmd.runtime.control import ControlChannel, Sink, open_control
+from tmd.runtime.env import RuntimeEnv
+from tmd.runtime.group import connect_store
+from tmd.runtime.liveness import Heartbeat
+from tmd.runtime.membership import Reconfiguration
+from tmd.runtime.migration import groups_key, world_prefix
+from tmd.runtime.session_config import SessionConfig
+from tmd.runtime.standby import Prepared, announce, complete_join, prepare_join
+from tmd.runtime.swap_group import start_inner
+
+if TYPE_CHECKING:
+    from tmd.runtime.session import Session
+
+__all__ = ["Place", "init", "installed"]
+
+installed = swap_group.installed
+
+
+@dataclass
+class Place:
+    """What a standby of a wrapped job learnt before its model existed: the rank it
+    takes in the migration it is prepared for (or that the job stopped first), and
+    the channel and heartbeat the join goes on with in its session."""
+
+    control: ControlChannel
+    sink: Sink | None
+    warmup_s: float
+    seen: list[str]
+    """Migration ids this standby acted on (the session remembers them too)."""
+    prepare: wire.Prepare | None = None
+    prepared: Prepared | None = None
+    heartbeat: Heartbeat | None = None
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.prepared is None else self.prepared.rank
+
+
+_place: Place | None = None
+
+
+def take_place() -> Place | None:
+    """The place ``init`` found for this standby, once (for its session)."""
+    global _place
+    place, _place = _place, None
+    return place
+
+
+def init(*, config: SessionConfig | None = None, env: RuntimeEnv | None = None) -> int:
+    """Make the default world swappable, at this worker's rank or, on a standby, at the
+    rank it will take (waiting until a migration names it; see the module's
+    docstring). Call it once, before ``init_device_mesh`` and the wrappers; pass the
+    session's ``config`` where it is not the default."""
+    global _place
+    env = env or RuntimeEnv.from_environ()
+    if env.role == "worker":
+        swap_group.install(rank=env.rank, size=env.world_size)
+        return env.rank
+    place = _Waiting(env, config or SessionConfig()).wait()
+    swap_group.install(rank=place.rank or 0, size=env.world_size)
+    _place = place
+    return place.rank or 0
+
+
+class _Waiting:
+    """A standby of a wrapped job before its model exists: what standing by and the
+    first phase of a join need (``tmd.runtime.standby.Standing``)."""
+
+    def __init__(self, env: RuntimeEnv, config: SessionConfig) -> None:
+        self.env, self.config = env, config
+        self.created = time.monotonic()
+        self.store: Store = connect_store(env.store, timeout=config.store_timeout)
+        self.warmup_s: float | None = None
+        self._control, self.sink = open_control(env, config)
+        self.seen: list[str] = []
+
+    @property
+    def control(self) -> ControlChannel:
+        return self._control
+
+    def ack(
+        self, migration_id: str, kind: AckKind, *, detail: str = "",
+        downtime: wire.Downtime | None = None,
+    ) -> None:  # fmt: skip
+        env = self.env
+        self._control.ack(
+            wire.Ack(ts=time.time(), job=env.job, migration_id=migration_id, kind=kind,
+                     node=env.node, rank=None, local_rank=env.local_rank, generation=0,
+                     at_step=0, downtime=downtime, detail=detail[:1000])
+        )  # fmt: skip
+
+    def wait(self) -> Place:
+        """Until a migration names this machine and its phase 1 is done, or the job
+        stopped (a place without a rank)."""
+        self.warmup_s = time.monotonic() - self.created
+        announce(self, "ready")
+        poll = min(self.config.control_poll.total_seconds(), 0.01)
+        place = Place(self._control, self.sink, self.warmup_s, self.seen)
+        while not self._control.stopped():
+            for message in self._control.poll():
+                if not isinstance(message, wire.Prepare) or message.joiner != self.env.node:
+                    continue
+                if message.migration_id in self.seen:
+                    continue
+                self.seen.append(message.migration_id)
+                if self._prepare(place, message):
+                    return place
+                announce(self, "ready")
+            time.sleep(poll)
+        return place
+
+    def _prepare(self, place: Place, message: wire.Prepare) -> bool:
+        mid = message.migration_id
+        announce(self, "joining")
+        beat = self.config.joiner_timeout / 10
+        heartbeat = Heartbeat(self.env.store, self.env.slot, interval=beat)  # the leaver watches
+        try:
+            prepared = prepare_join(self, mid)
+        except (RuntimeError, ValueError) as exc:  # MigrationError is a RuntimeError
+            heartbeat.close()
+            self.ack(mid, "failed", detail=str(exc))
+            return False
+        if prepared is None:
+            heartbeat.close()
+            self.ack(mid, "aborted")
+            return False
+        place.prepare, place.prepared, place.heartbeat = message, prepared, heartbeat
+        return True
+
+
+def finish_join(session: Session, place: Place) -> Reconfiguration | None:
+    """The rest of a wrapped standby's join, in its session, its model now built at
+    the rank ``init`` returned: build the inner groups with the stayers (they start
+    once they see the store key), then follow the leaver and commit
+    (``standby.complete_join``). None: the migration failed or was aborted."""
+    assert place.prepare is not None
+    assert place.prepared is not None and place.heartbeat is not None
+    mid, env, cfg = place.prepare.migration_id, session.env, session.config
+    inner = start_inner(env.store, world_prefix(mid), timeout=cfg.group_timeout,
+                        backend=env.backend, host=env.host)  # fmt: skip
+    session.store.set(groups_key(mid), "1")
+    try:
+        return complete_join(session, mid, place.prepared, inner)
+    except (RuntimeError, ValueError) as exc:
+        for builder in inner.values():
+            builder.abandon()
+        session.ack(mid, "failed", detail=str(exc))
+        return None
+    finally:
+        place.heartbeat.close()

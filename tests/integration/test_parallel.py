@@ -1,0 +1,64 @@
+"""Jobs wrapped by torch's own parallelism (``tmd.runtime.parallel``), moved live: a
+machine of two ranks of an FSDP2, an HSDP and a tensor-parallel job migrates to a
+standby machine through the real session and ``JobController``, and every rank of the
+job ends where an unsharded copy of the model, trained on the same batches, does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tmd.runtime import JobController
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(Path(__file__).with_name("parallel_train.py"))
+NPROC = 4
+PER_NODE = 2
+ACK_TIMEOUT = timedelta(seconds=60)
+JOB_TIMEOUT = timedelta(seconds=150)
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[object]]:
+    started: list[object] = []
+    yield started
+    for job in started:
+        job.terminate()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp"])
+def test_a_machine_of_a_wrapped_job_migrates_live(
+    tmp_path: Path, jobs: list[object], layout: str
+) -> None:
+    from tmd.runtime.launch import LocalJob
+
+    (tmp_path / "hold").touch()
+    cmd = [sys.executable, SCRIPT, "--layout", layout, "--steps", "24", "--out", str(tmp_path),
+           "--hold", str(tmp_path / "hold")]  # fmt: skip
+    job = LocalJob(cmd, nproc=NPROC, standby=1, nproc_per_node=PER_NODE, job="job")
+    jobs.append(job)
+    ctl = JobController(job.store, job="job")
+    everyone = NPROC + PER_NODE
+    ctl.wait_standbys("standby0", timeout=ACK_TIMEOUT)
+    ctl.prepare("m1", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m1", "prepared", count=everyone, timeout=ACK_TIMEOUT)
+    ctl.switch("m1")
+    switched = ctl.wait_acks("m1", "switched", count=everyone, timeout=ACK_TIMEOUT)
+    (tmp_path / "hold").unlink()
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert set(codes.values()) == {0}, codes
+    joiners = {(a.local_rank, a.rank) for a in switched if a.node == "standby0" and a.downtime}
+    assert joiners == {(0, 2), (1, 3)}
+    finals = [json.loads((tmp_path / f"final-rank{r}.json").read_text()) for r in range(NPROC)]
+    assert [(f["node"], f["step"]) for f in finals] == [
+        ("worker0", 24), ("worker0", 24), ("standby0", 24), ("standby0", 24)
+    ]  # fmt: skip
+    assert all(f["max_diff"] < 1e-5 for f in finals), finals
