@@ -1,8 +1,9 @@
 """Periodic checkpoints and the global rollback: the fallback where no replica can serve.
 
 Every ``SessionConfig.checkpoint_every`` steps, at the step boundary, every worker
-writes its part (``checkpoint_io.write_checkpoint``: the bulk state on rank 0, its own
-small state on every rank) into ``{checkpoint_dir}/.tmp-step-{n:09d}`` and counts
+writes its part (``checkpoint_io.write_checkpoint``: the bulk state on rank 0, or
+every rank's shards where the model is sharded by torch's parallelism; its own small
+state on every rank) into ``{checkpoint_dir}/.tmp-step-{n:09d}`` and counts
 itself in the store. Rank 0 waits until every rank has, writes the commit marker
 and renames the directory to ``step-{n:09d}``. A checkpoint is complete exactly
 when a ``step-*`` directory holds the marker, so a crash at any moment leaves the
@@ -153,9 +154,13 @@ def save(session: Session) -> int | None:
     root, step, store = _root(session), session.state.step, session.store
     tmp = root / f"{_TMP_PREFIX}{step:09d}"
     done, failed = f"tmd/ckpt/{step}/done", f"tmd/ckpt/{step}/failed"
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         write_checkpoint(session, tmp)
-    except OSError as exc:  # a full or lost disk costs this checkpoint, not the job
+    # A full or lost disk costs this checkpoint, not the job. A sharded (collective)
+    # write fails on every rank when one rank's does: a BaseException, named here.
+    except (OSError, CheckpointException) as exc:
         log.warning("rank %d could not write its part of step %d: %s", session.rank, step, exc)
         put(store, failed, str(session.rank).encode())
     store.add(done, 1)

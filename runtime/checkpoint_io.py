@@ -39,8 +39,10 @@ def _bulk(state: TrainState) -> dict[str, Any]:
 
 
 def write_checkpoint(session: Session, directory: Path) -> None:
-    """This rank's part of a checkpoint: the bulk state on rank 0, the small state on
-    every rank. Written and synced to disk on return; nothing waits for the others."""
+    """This rank's part of a checkpoint: the bulk state on rank 0 (every rank's shards,
+    written collectively, where the session is ``wrapped``), the small state on every
+    rank. Written and synced to disk on return; only a collective write waits for the
+    others."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
     small = encode(session.state.small_state())  # refuses unsafe state before any write

@@ -146,6 +146,27 @@ def recover(session: Session, error: BaseException, *, collective_started: float
         give_up(session, migration_id, f"recovery of generation {gen} failed: {exc}", exc)
 
 
+def wrapped_failure(session: Session, error: BaseException) -> None:
+    """A worker of a job wrapped by torch's parallelism (``tmd.runtime.parallel``)
+    whose step raised ``error``, most often inside the wrapper's own collectives. If
+    the survivors agree that members were lost, every one of them acks ``failed`` and
+    raises ``RestartRequired``: in-place failover of a wrapped job is not built yet,
+    the job rolls back to its checkpoint. Returns where nobody was lost (the error is
+    not a lost member's) or this process was counted lost itself."""
+    gen = session.membership.generation
+    prefix, migration_id = fail_prefix(gen), f"failover-g{gen}"
+    try:
+        decision = _agree(session, prefix)
+    except (MigrationError, RuntimeError):  # Replaced included: this process is out
+        return
+    lost = decision.get("lost") or []
+    if decision["action"] == "rollback" and "no rank was lost" in decision["reason"]:
+        return
+    why = ", ".join(lost) if lost else decision.get("reason", "")
+    give_up(session, migration_id, f"lost {why}: in-place failover of a job wrapped by "
+            "torch's parallelism is not built yet", error)  # fmt: skip
+
+
 def _wait_for_survivors(session: Session, prefix: str) -> None:
     """Until there is no point waiting for more members to register as alive: all but
     one did; or the missing ranks make up whole machines, none of their processes

@@ -46,8 +46,9 @@ def world_prefix(migration_id: str) -> str:
 
 
 def groups_key(migration_id: str) -> str:
-    """Set by a joiner of a wrapped job once its mesh exists, so its groups' inner
-    groups can be built: the stayers start building theirs when they see it."""
+    """Counted up by each joining process of a wrapped job once its mesh exists and it
+    reads the transfer channel: the stayers start building the inner groups once every
+    slot has (a machine of K slots counts to K)."""
     return f"tmd/mig/{migration_id}/groups"
 
 
@@ -166,13 +167,23 @@ class Migration:
                                             host=self.host)  # fmt: skip
         return self.inner
 
+    def joiner_ready(self) -> bool:
+        """Every joining process has its model and reads the channel (a joiner of a
+        wrapped job builds its model only once it knows its rank; before, a message
+        sent to it would block the sender until it reads)."""
+        if self.wrapped is None:
+            return True
+        key = groups_key(self.id)
+        slots = len(self.leaver_ranks)
+        return bool(self.wrapped.check([key])) and int(self.wrapped.add(key, 0)) >= slots
+
     def _inner_pending(self) -> bool:
         """A stayer of a wrapped job whose inner groups are not all built yet (starting
         their build once the joiner is ready for it); records a failed build."""
         if self.wrapped is None or self.is_leaver:
             return False
         if self.inner is None:
-            if not self.wrapped.check([groups_key(self.id)]):
+            if not self.joiner_ready():
                 return True
             self._start_inner()
         assert self.inner is not None
@@ -204,7 +215,11 @@ class Migration:
         try:
             if self.channel is None:
                 self._open_channel(membership)
-            elif self.snapshot_step is None and (self.eager_copy or self.switch is not None):
+            elif (
+                self.snapshot_step is None
+                and (self.eager_copy or self.switch is not None)
+                and self.joiner_ready()
+            ):
                 self._send_snapshot(state)
         except MigrationError as exc:
             self.abort_reason = str(exc)
@@ -297,7 +312,10 @@ class Migration:
             self.channel.flush()
             self.snapshot_flushed = True
             if buffers is None:
-                has_grad, grads = state.local_grads()
+                try:
+                    has_grad, grads = state.local_grads()
+                except ValueError as exc:
+                    raise MigrationError(str(exc)) from exc
                 payload = {"hyperparams": state.hyperparams(), "has_grad": has_grad}
                 self.channel.send(Kind.GRADS, state.step + 1, payload, grads)
                 return
@@ -337,7 +355,9 @@ class Migration:
     def close(self, *, tell_joiner: bool) -> None:
         """Drop everything this migration built; on abort, tell a connected joiner."""
         channel, self.channel = self.channel, None
-        if channel is not None and tell_joiner:
+        # A wrapped joiner not yet reading would hold the sender until it does; it
+        # learns of the abort when the channel closes.
+        if channel is not None and tell_joiner and self.joiner_ready():
             try:
                 channel.flush()
                 channel.send(Kind.ABORT, 0)

@@ -27,9 +27,10 @@ leaver's shards (parameters and optimizer state, pre-copied, then kept in lock-s
 with the leaver's clipped gradient shards) and joins at the switch. So a standby of
 a wrapped job runs no shadow iterations (its forward would need the job's
 all-gathers), and once prepared for a rank it serves that migration only: if the
-migration is aborted the process ends its loop and exits (the launcher or the pool
-starts a fresh standby). If the job stops first, ``init`` returns 0 and the loop
-runs no step.
+migration fails or is aborted, it registers as ``failed`` and its loop ends (the
+machine needs a fresh standby process: ``tmd launch`` starts one only when it
+restarts the job). If the job stops first, ``init`` returns None, the default world
+is installed at rank 0 so the script can go on, and the loop runs no step.
 
 In the session, a wrapped model (``Session.wrapped``) has no gradient reducer (the
 wrapper reduced the gradients during backward); the step's migration votes go
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING
 from torch._C._distributed_c10d import Store
 
 from tmd import wire
+from tmd.errors import MigrationError
 from tmd.runtime import swap_group
 from tmd.runtime.commands import AckKind
 from tmd.runtime.control import ControlChannel, Sink, open_control
@@ -101,7 +103,7 @@ def take_place() -> Place | None:
     return place
 
 
-def init(*, config: SessionConfig | None = None, env: RuntimeEnv | None = None) -> int:
+def init(*, config: SessionConfig | None = None, env: RuntimeEnv | None = None) -> int | None:
     """Make the default world swappable, at this worker's rank or, on a standby, at the
     rank it will take (waiting until a migration names it; see the module's
     docstring). Call it once, before ``init_device_mesh`` and the wrappers; pass the
@@ -114,7 +116,7 @@ def init(*, config: SessionConfig | None = None, env: RuntimeEnv | None = None) 
     place = _Waiting(env, config or SessionConfig()).wait()
     swap_group.install(rank=place.rank or 0, size=env.world_size)
     _place = place
-    return place.rank or 0
+    return place.rank
 
 
 class _Waiting:
@@ -171,7 +173,7 @@ class _Waiting:
         heartbeat = Heartbeat(self.env.store, self.env.slot, interval=beat)  # the leaver watches
         try:
             prepared = prepare_join(self, mid)
-        except (RuntimeError, ValueError) as exc:  # MigrationError is a RuntimeError
+        except (MigrationError, RuntimeError, ValueError) as exc:
             heartbeat.close()
             self.ack(mid, "failed", detail=str(exc))
             return False
@@ -193,13 +195,17 @@ def finish_join(session: Session, place: Place) -> Reconfiguration | None:
     mid, env, cfg = place.prepare.migration_id, session.env, session.config
     inner = start_inner(env.store, world_prefix(mid), timeout=cfg.group_timeout,
                         backend=env.backend, host=env.host)  # fmt: skip
-    session.store.set(groups_key(mid), "1")
+    session.store.add(groups_key(mid), 1)  # this slot's mesh exists, and it reads the channel
+    joined = None
     try:
-        return complete_join(session, mid, place.prepared, inner)
-    except (RuntimeError, ValueError) as exc:
-        for builder in inner.values():
-            builder.abandon()
+        joined = complete_join(session, mid, place.prepared, inner)
+    except (MigrationError, RuntimeError, ValueError) as exc:
         session.ack(mid, "failed", detail=str(exc))
-        return None
     finally:
         place.heartbeat.close()
+    if joined is None:
+        for builder in inner.values():
+            builder.abandon()
+        # Sharded for a rank it did not take, this process cannot serve another.
+        announce(session, "failed")
+    return joined

@@ -22,6 +22,11 @@ standby can serve, ``step`` raises ``tmd.errors.RestartRequired`` on every survi
 the job then restarts from its latest checkpoint (``checkpoint_dir``,
 ``tmd.runtime.checkpoint``), which every worker loads when the session opens.
 
+A model wrapped by torch's own parallelism (``fully_shard``, HSDP, tensor
+parallelism on a mesh) is trained the same way, once ``tmd.runtime.parallel.init()``
+made the groups beneath it swappable; its standby runs no shadow iteration, and a
+member lost mid-step rolls the job back to its checkpoint (``tmd.runtime.parallel``).
+
 Every change of group goes through one call, ``Session.reconfigure``, with a
 ``Reconfiguration`` (``tmd.runtime.membership``): the first group at start, a switch
 (``tmd.runtime.switch``), a join (``tmd.runtime.standby``) and a failover
@@ -41,12 +46,18 @@ from typing import Any, Literal, NoReturn
 import torch
 
 from tmd import wire
-from tmd.errors import ConfigError, MigrationError, RestartRequired
+from tmd.errors import ConfigError, MigrationError, RestartRequired, TmdError
 from tmd.runtime import checkpoint, liveness, parallel, standby, swap_group
 from tmd.runtime.commands import AckKind, Commands
 from tmd.runtime.control import ControlChannel, open_control
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.failover import Recovery, Replaced, failure_reported, give_up, recover
+from tmd.runtime.failover import (
+    Recovery,
+    Replaced,
+    failure_reported,
+    recover,
+    wrapped_failure,
+)
 from tmd.runtime.group import Group, connect_store, make_group
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.migration import VOTE_RESTART, no_votes
@@ -105,6 +116,7 @@ class Session:
         self._control = control
         self._place = parallel.take_place() if self.wrapped and self._role == "standby" else None
         self._presence: liveness.Presence | None = None  # a worker's, once it is one
+        self._failure_seen: BaseException | None = None
         self.store = connect_store(self.env.store, timeout=self.config.store_timeout)
         self.telemetry = Telemetry(None, job=self.env.job, node=self.env.node, rank=self.rank)
 
@@ -136,14 +148,14 @@ class Session:
         """Make this process the member ``change`` describes. The one way the group,
         membership, rank and role change: at start, at a switch (stayers and joiner)
         and at a failover (survivors and the standby taking over)."""
+        if change.inner is not None:  # first: where it raises, nothing has changed
+            self._retired += swap_group.bind_inner(change.group, change.inner, self.store)
         if self._group is not None:
             # Kept referenced, never torn down while the job runs: the old group's
             # last collectives (a failed one, the switch's confirmation) may still
             # be in flight.
             self._retired.append(self._group)
             liveness.wake(self.store, self._membership.generation)  # Presence moves on
-        if change.inner is not None:
-            self._retired += swap_group.bind_inner(change.group, change.inner, self.store)
         self._group = change.group
         self._membership = change.membership
         self._rank = change.rank
@@ -228,9 +240,24 @@ class Session:
         self.publish_status()
 
     def __exit__(self, *exc: object) -> None:
-        if self.role == "worker" and not self.left and self.rank == 0:
-            state = "stopped" if exc[0] is None else "running"
-            self.publish_status("restarting" if self.excluded else state)
+        try:
+            error = exc[1]
+            if (
+                self.wrapped and self.role == "worker" and not self.left
+                and isinstance(error, RuntimeError) and not isinstance(error, TmdError)
+                and error is not self._failure_seen
+            ):  # fmt: skip
+                # A wrapped model's own collectives fail in the user's forward or
+                # backward, outside ``step``: a lost member is recognised here.
+                self.commands.drop()
+                wrapped_failure(self, error)
+            if self.role == "worker" and not self.left and self.rank == 0:
+                state = "stopped" if exc[0] is None else "running"
+                self.publish_status("restarting" if self.excluded else state)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self.telemetry.close()
         self.control.close()
         if self._presence is not None:
@@ -346,9 +373,9 @@ class Session:
             self.group.allreduce([votes]).wait()
         except RuntimeError as exc:
             self.commands.drop()
-            give_up(self, f"failover-g{self.membership.generation}",
-                    f"a member failed: in-place failover of a job wrapped by torch's "
-                    f"parallelism is not built yet ({exc})", exc)  # fmt: skip
+            self._failure_seen = exc  # __exit__ asks no second time
+            wrapped_failure(self, exc)  # raises RestartRequired where members were lost
+            raise
         reduced = time.monotonic()
         self.clip()
         if mig is not None:

@@ -19,6 +19,10 @@ Joining (the joiner's half of the protocol):
    session this process's place in it (a ``Reconfiguration``); the session makes it
    a worker and the user's loop carries on as that rank. On ``ABORT`` (or any
    failure) go back to standing by.
+
+A standby of a job wrapped by torch's parallelism runs phase 1 before its model
+exists and the rest in its session, and cannot go back to standing by
+(``tmd.runtime.parallel``).
 """
 
 from __future__ import annotations

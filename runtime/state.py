@@ -157,7 +157,15 @@ class TrainState:
     def local_grads(self) -> tuple[list[bool], list[torch.Tensor]]:
         """Which parameters have a gradient, and this rank's part of each of those (the
         local shard of a DTensor's): what a leaver of a wrapped model forwards."""
-        grads = [p.grad for p in self.params()]
+        params = self.params()
+        for p in params:
+            g = p.grad
+            if is_dtensor(p) and g is not None and g.placements != p.placements:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"a gradient placed {g.placements} for a parameter placed "  # type: ignore[attr-defined]
+                    f"{p.placements}: the joiner could not apply it as the leaver does"  # type: ignore[attr-defined]
+                )
+        grads = [p.grad for p in params]
         return [g is not None for g in grads], [local(g) for g in grads if g is not None]
 
     def receive_grads(self, has_grad: list[bool]) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """Process groups that keep their identity while the machines behind them change: the
 mechanism by which a model wrapped by torch's own parallelism (``fully_shard``, HSDP
-on a 2-D mesh; tensor parallelism and DDP to come) keeps training after a migration
-(issue 15). What is tested is at the end of this docstring.
+on a 2-D mesh, tensor parallelism; DDP to come) keeps training after a migration
+(issue 15; the session drives it through ``tmd.runtime.parallel``). What is tested
+is at the end of this docstring.
 
 Those wrappers hold their ``ProcessGroup`` objects, and the ``DeviceMesh`` behind
 them, from the moment they wrap the model: FSDP2 caches the groups in every
@@ -22,10 +23,14 @@ name, which torch gives alike in every member. A joiner's groups have no inner g
 until the switch; ``fully_shard`` and creating the optimizer issue no collective, so
 it can build them before (DDP's constructor does run collectives: not covered yet).
 
-Tested with torch 2.13.0, gloo, CPU, eager: FSDP2 on a 1-D mesh and HSDP on a 2-D
-mesh, a rank replaced at a step boundary. Not yet: NCCL (the shell registers one
+Tested with torch 2.13.0, gloo, CPU, eager: FSDP2 on a 1-D mesh, HSDP on a 2-D mesh
+and tensor parallelism (``parallelize_module``) with ``fully_shard`` on a (dp, tp)
+mesh, a machine replaced at a step boundary, through the session; and, here alone,
+an HSDP rank replaced from its replica. Not yet: NCCL (the shell registers one
 backend for one device, so CPU-side object collectives and barriers would miss),
-DDP, tensor parallelism, a peer dead in the middle of a collective. C++ callers reach
+DDP, a peer dead in the middle of a collective. Every group must exist before the
+session binds them: a group created later (``DeviceMesh._flatten``,
+``set_separate_reduce_scatter_group`` after the session opened) is refused. C++ callers reach
 the Python forwarders only through torch's trampolined methods (``allgather``,
 ``allreduce``, ``broadcast``, ``reduce_scatter``, their coalesced forms, ``send``,
 ``recv``, ``barrier``): a compiled FSDP2 calling ``all_gather_single`` from C++ would
@@ -147,7 +152,17 @@ for _name in FORWARDED:
 _groups: list[SwappableGroup] = []  # every group of this process, in creation order
 
 
+_bound = False  # the session gave the groups inner groups: no group may come after
+
+
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> SwappableGroup:
+    if _bound:
+        raise MigrationError(
+            "a process group created after the session opened: tmd swaps only the groups "
+            "that exist when it binds them; create the mesh and everything that makes "
+            "groups (DeviceMesh._flatten, set_separate_reduce_scatter_group) before the "
+            "session"
+        )
     group = SwappableGroup(rank, size)
     _groups.append(group)
     return group
@@ -173,8 +188,9 @@ def install(*, rank: int, size: int) -> SwappableGroup:
         raise MigrationError(f"torch {torch.__version__} lacks {missing}: tmd's group swap "
                              "is tested with torch 2.13")  # fmt: skip
     if dist.is_initialized():
-        raise MigrationError("a default process group exists: tmd's session must create it, "
-                             "before init_device_mesh and the model's wrappers")  # fmt: skip
+        raise MigrationError("a default process group exists: tmd.runtime.parallel.init() "
+                             "must create it, once, before init_device_mesh and the model's "
+                             "wrappers")  # fmt: skip
     if os.environ.get("TORCH_DIST_INIT_BARRIER", "0").strip() not in ("", "0"):
         raise MigrationError("TORCH_DIST_INIT_BARRIER=1 makes new groups run a barrier at "
                              "creation, which a joiner cannot: unset it")  # fmt: skip
@@ -204,8 +220,10 @@ def swap_all(inner: Callable[[SwappableGroup], Any]) -> list[Any]:
     inner groups, in no particular order. Every inner group is asked for before any is
     swapped in, so one that cannot be had leaves the job on its old ones. Call it at
     a step boundary, with no collective in flight."""
+    global _bound
     ordered = sorted(groups(), key=lambda g: g.group_name)
     built = [inner(g) for g in ordered]
+    _bound = True
     return [g.swap(new) for g, new in zip(ordered, built, strict=True)]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -98,13 +99,22 @@ def train(argv: list[str]) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--hold", default="", help="while this file exists, steps are slow")
     parser.add_argument("--held-sleep", type=float, default=0.25)
-    parser.add_argument("--max-grad-norm", type=float, default=0.5)
+    # Small enough that every step clips: a joiner must apply the job's clipped
+    # gradients, not clip its shard by its own norm.
+    parser.add_argument("--max-grad-norm", type=float, default=0.05)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, action="append", default=[],
+                        help="SIGKILL these ranks in the job's first run ...")  # fmt: skip
+    parser.add_argument("--kill-step", type=int, default=-1, help="... after this step's backward")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     env = RuntimeEnv.from_environ()
     config = SessionConfig(group_timeout=timedelta(seconds=30),
-                           joiner_timeout=timedelta(seconds=2),
-                           max_grad_norm=args.max_grad_norm)  # fmt: skip
+                           joiner_timeout=timedelta(seconds=2), detect_timeout=timedelta(seconds=5),
+                           max_grad_norm=args.max_grad_norm, checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every)  # fmt: skip
+    doomed = env.role == "worker" and env.rank in args.kill_rank and env.restart_count == 0
     rank = parallel.init(config=config, env=env)
     model, reference = build(), build()
     dp_rank, dp_size = wrap(args.layout, model, env.world_size, env.local_world_size)
@@ -137,18 +147,22 @@ def train(argv: list[str]) -> None:
             idx = data.next_batch()
             loss = nn.functional.mse_loss(model(x[idx]), y[idx])
             loss.backward()  # type: ignore[no-untyped-call]
+            if doomed and step == args.kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # its shards of the gradients are out
             losses.append((s.rank, step, float(loss.item())))
             s.step()
             reference_step(step)
             done = step + 1
             if args.hold and os.path.exists(args.hold):
                 time.sleep(args.held_sleep)
-        (out / f"losses-{env.node}-{env.local_rank}.json").write_text(json.dumps(losses))
+        name = f"losses-{env.node}-{env.local_rank}-run{env.restart_count}.json"
+        (out / name).write_text(json.dumps(losses))
         if s.role == "worker" and not s.left:
             whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
             diff = max(float((whole[k] - v).abs().max()) for k, v in reference.state_dict().items())
             result = {"rank": s.rank, "node": env.node, "step": s.state.step, "max_diff": diff,
-                      "init_rank": rank}  # fmt: skip
+                      "init_rank": rank, "run": env.restart_count,
+                      "restored_step": s.restored_step}  # fmt: skip
             (out / f"final-rank{s.rank}.json").write_text(json.dumps(result))
 
 

@@ -1,7 +1,9 @@
-"""Jobs wrapped by torch's own parallelism (``tmd.runtime.parallel``), moved live: a
-machine of two ranks of an FSDP2, an HSDP and a tensor-parallel job migrates to a
-standby machine through the real session and ``JobController``, and every rank of the
-job ends where an unsharded copy of the model, trained on the same batches, does.
+"""Jobs wrapped by torch's own parallelism (``tmd.runtime.parallel``): a machine of two
+ranks of an FSDP2, an HSDP and a tensor-parallel job migrates live to a standby
+machine through the real session and ``JobController``; a lost machine of an FSDP2
+job (no replica of its shards) rolls the job back to its sharded checkpoint. Every
+rank of the job ends where an unsharded copy of the model, trained on the same
+batches, does.
 """
 
 from __future__ import annotations
@@ -61,4 +63,27 @@ def test_a_machine_of_a_wrapped_job_migrates_live(
     assert [(f["node"], f["step"]) for f in finals] == [
         ("worker0", 24), ("worker0", 24), ("standby0", 24), ("standby0", 24)
     ]  # fmt: skip
+    assert all(f["max_diff"] < 1e-5 for f in finals), finals
+
+
+def test_a_lost_machine_of_a_sharded_job_rolls_back_to_its_sharded_checkpoint(
+    tmp_path: Path, jobs: list[object]
+) -> None:
+    from tmd.runtime.launch import LocalJob
+
+    cmd = [sys.executable, SCRIPT, "--layout", "fsdp", "--steps", "14", "--out", str(tmp_path),
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4",
+           "--kill-rank", "2", "--kill-rank", "3", "--kill-step", "9"]  # fmt: skip
+    job = LocalJob(cmd, nproc=NPROC, standby=0, nproc_per_node=PER_NODE, job="job", max_restarts=1)
+    jobs.append(job)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert set(codes.values()) == {0}, codes
+    assert len(job.attempts) == 2  # the first run lost worker1, the second finished
+    acks = [a for a in job.attempts[0].acks if a.migration_id == "failover-g0"]
+    assert acks and {a.kind for a in acks} == {"failed"}, acks
+    assert all("worker1" in a.detail for a in acks)
+    finals = [json.loads((tmp_path / f"final-rank{r}.json").read_text()) for r in range(NPROC)]
+    # Every rank, the restarted worker1's included, resumed from step 8's shards.
+    assert {(f["run"], f["restored_step"], f["step"]) for f in finals} == {(1, 8, 14)}
     assert all(f["max_diff"] < 1e-5 for f in finals), finals

@@ -51,6 +51,10 @@ import msgspec
 from tmd.tools.bench import Progress, measure
 
 JOB = "bench"
+LAYOUTS = ("fsdp", "hsdp", "tp")
+"""``--parallel``: the job wrapped by torch's parallelism (``tmd.runtime.parallel``):
+``fully_shard`` on a 1-D mesh; HSDP (replicate across machines, shard within); the
+MLPs tensor-parallel within a machine, ``fully_shard`` across machines."""
 
 # -- the training script ---------------------------------------------------------------
 
@@ -152,7 +156,40 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--hash-every-step", action="store_true", help="and after every step (a reference run)"
     )
+    parser.add_argument("--parallel", default="", choices=["", *LAYOUTS],
+                        help="wrap the model for this layout (tmd.runtime.parallel)")  # fmt: skip
     return parser.parse_args(argv)
+
+
+def _wrap(model: Any, layout: str, world: int, per_node: int) -> tuple[int, int]:
+    """Wrap the GPT for ``layout``; this rank's data-parallel rank and size (the ranks
+    of a tensor-parallel group take the same batch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+    elif layout == "hsdp":
+        mesh = init_device_mesh("cpu", (world // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+    else:
+        tp = init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("dp", "tp"))
+        plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        for block in model.blocks:
+            # Every rank built the same weights: each takes its shard, no scatter.
+            parallelize_module(block, tp["tp"], plan, src_data_rank=None)
+        mesh = tp["dp"]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if layout == "tp":
+        return tp["dp"].get_local_rank(), world // per_node
+    return mesh.get_rank(), world
 
 
 def worker(argv: list[str]) -> int:
@@ -161,25 +198,32 @@ def worker(argv: list[str]) -> int:
 
     import torch
 
-    from tmd.runtime import ResumableSampler, SessionConfig, session
+    from tmd.runtime import ResumableSampler, SessionConfig, parallel, session
     from tmd.runtime.checkpoint_io import load_checkpoint, save_checkpoint
     from tmd.runtime.env import RuntimeEnv
 
     t_imported = time.time()
     torch.set_num_threads(1)
     env = RuntimeEnv.from_environ()
-    torch.manual_seed(0)
-    model = _gpt(args.d, args.layers, 8, args.ctx)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    torch.manual_seed(1 + env.rank)
-    tokens = _text_tokens()
-    window = args.ctx + 1
-    windows = len(tokens) // window
-    sampler = ResumableSampler(windows, batch_size=args.batch, rank=env.rank,
-                               world_size=env.world_size)  # fmt: skip
-    t_built = time.time()
     cold = args.mode == "cold"
     config = SessionConfig(shadow_steps=0 if cold else 2, prepare_ahead=not cold)
+    tokens = _text_tokens()
+    if args.parallel:
+        # A standby, having loaded what needs no rank, waits here until a migration
+        # names the rank it takes.
+        parallel.init(config=config, env=env)
+    torch.manual_seed(0)
+    model = _gpt(args.d, args.layers, 8, args.ctx)
+    dp_rank, dp_size = env.rank, env.world_size
+    if args.parallel:
+        dp_rank, dp_size = _wrap(model, args.parallel, env.world_size, env.local_world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    torch.manual_seed(1 + env.rank)
+    window = args.ctx + 1
+    windows = len(tokens) // window
+    sampler = ResumableSampler(windows, batch_size=args.batch, rank=dp_rank,
+                               world_size=dp_size)  # fmt: skip
+    t_built = time.time()
     record: dict[str, Any] = {"node": env.node, "local_rank": env.local_rank,
                               "role": env.role, "t_start": t_start,
                               "t_imported": t_imported, "t_built": t_built,
@@ -260,6 +304,8 @@ def _job(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tmd.tools.bench.downtime", "worker", "--steps", str(args.steps),
            "--out", str(out), "--mode", mode, "--layers", str(args.layers), *extra]  # fmt: skip
+    if args.layout:
+        cmd += ["--parallel", args.layout]
     return LocalJob(cmd, nproc=args.nproc, standby=standby, nproc_per_node=per_node, job=JOB)
 
 
@@ -290,13 +336,18 @@ def _migration(
     *,
     cold: bool,
     per_node: int = 1,
+    held: bool = False,
 ) -> dict[str, Any]:
-    """``worker1`` (all its ranks) moved to ``standby0``, a standby machine as large."""
+    """``worker1`` (all its ranks) moved to ``standby0``, a standby machine as large.
+    ``held``: the job runs on until ``STOP_KEY`` says where to stop, set once it
+    switched (a wrapped job's standby builds its model only once it knows its rank:
+    the switch can come after ``--steps``)."""
     from tmd.runtime import JobController
 
     mid = "m-cold" if cold else "m-live"
+    extra = ["--steps", "1000000", "--stop-key", STOP_KEY] if held else []
     job = _job(out, args, per_node=per_node, standby=1, mode="cold" if cold else "plain",
-               extra=[])  # fmt: skip
+               extra=extra)  # fmt: skip
     try:
         ctl = JobController(job.store, job=JOB)
         _wait_step(job, args.prepare_at)
@@ -309,6 +360,10 @@ def _migration(
         t_switch = time.time()
         ctl.switch(mid)  # at the first boundary every member agrees on
         acks = ctl.wait_acks(mid, "switched", count=args.nproc + per_node)
+        at = next(a for a in acks if a.node == "worker1").at_step  # steps before the switch
+        assert at is not None
+        if held:
+            job.store.set(STOP_KEY, str(max(args.steps, at + AFTER_SWITCH)))
         job.wait()
     finally:
         job.terminate()
@@ -316,8 +371,6 @@ def _migration(
     median = measure.median_step(rows, 2, args.prepare_at)
     measured = {_process(a.node, a.local_rank, per_node): msgspec.structs.asdict(a.downtime)
                 for a in acks if a.downtime}  # fmt: skip
-    at = next(a for a in acks if a.node == "worker1").at_step  # steps done before the switch
-    assert at is not None
     result: dict[str, Any] = {
         "downtime_s": measure.downtime(rows, rows, at, median),
         "median_step_s": median,
@@ -509,6 +562,66 @@ def _machine(out: Path, args: argparse.Namespace, progress: Progress) -> dict[st
     return result
 
 
+def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    """The job wrapped for ``args.layout`` on machines of ``--nproc-per-node`` ranks:
+    ``worker1`` moved live and the job checkpoint-restarted (its checkpoint sharded,
+    written and read by every rank), each against a reference run of the same layout.
+    In-place failover of a wrapped job is not built: its fields say so."""
+    k, layout = args.nproc_per_node, args.layout
+    progress.say(f"{layout}: reference run, machines of {k} ranks")
+    # Long enough for the live run, which stops AFTER_SWITCH steps past its switch.
+    longer = argparse.Namespace(**{**vars(args), "steps": args.steps + SPARE_STEPS})
+    reference = _reference(out / "reference", longer, per_node=k)
+    progress.say(f"{layout}: live migration of worker1")
+    live = _migration(out / "live", args, reference, cold=False, per_node=k, held=True)
+    live_losses = measure.losses(out / "live")
+    last = max(step for _, step in live_losses)
+    reference_to_last = {key: row for key, row in reference.items() if key[1] <= last}
+    reference_to_steps = {key: row for key, row in reference.items() if key[1] < args.steps}
+    progress.say(f"{layout}: checkpoint-restart")
+    restart = _checkpoint_restart(out / "restart", args, per_node=k)
+    noise = measure.step_noise(list(reference.values()))
+    result: dict[str, Any] = {
+        "nproc_per_node": k,
+        "downtime_s": live["downtime_s"],
+        "runtime_downtime_s": live["runtime_downtime_s"],
+        "median_step_s": live["median_step_s"],
+        "switched_after_step": live["switched_after_step"],
+        "breakdown": live["breakdown"],
+        "step_noise_s": noise,
+        "ratio_checkpoint_restart_vs_noise": measure.ratio(
+            restart["downtime_s"], measure.worst(live), noise
+        ),
+        "failover_downtime_s": None,
+        "failover": {"built": False, "reason": FAILOVER_NOT_BUILT},
+        "loss_match": measure.loss_match(live_losses, reference_to_last),
+        "loss_match_checkpoint_restart": measure.loss_match(
+            restart.pop("loss"), reference_to_steps
+        ),
+        "live_steps": last + 1,
+        "stayer_rss_overhead": live["stayer_rss_overhead"],
+        "prepare_slowdown": live.get("prepare_slowdown"),
+        "lockstep_slowdown": live.get("lockstep_slowdown"),
+        "checkpoint_restart": restart,
+    }
+    result["shortfalls"] = measure.machine_shortfalls(result)
+    result["holds_target"] = not result["shortfalls"]
+    return result
+
+
+STOP_KEY = "bench/stop"
+AFTER_SWITCH = 4
+"""A held live run stops this many steps past its switch, or at ``--steps``."""
+SPARE_STEPS = 40
+"""A held live run's reference runs this many steps past ``--steps``; a switch later
+than that shows as ``loss_match`` false."""
+
+FAILOVER_NOT_BUILT = (
+    "in-place failover of a job wrapped by torch's parallelism is not built yet: a lost "
+    "machine makes the job roll back to its (sharded) checkpoint"
+)
+
+
 def _telemetry_overhead(median_step_s: float, steps: int = 20_000) -> dict[str, float]:
     """What telemetry costs a step: one ``record`` on the training thread, plus the
     sender thread's encoding of its share of a batch (it competes for the CPU)."""
@@ -547,28 +660,48 @@ def main(argv: list[str]) -> int:
                         help="request the switch at this step; also where the checkpoint-"
                         "restart saves and the failover kills")  # fmt: skip
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--nproc-per-node", type=int, default=1,
+    parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="also measure on machines of this many ranks ('machine'); "
                         "--nproc must be a multiple, of at least two machines")  # fmt: skip
     parser.add_argument("--machine-only", action="store_true",
                         help="only the runs on machines of --nproc-per-node ranks: 'machine', "
                         "without the fields of machines of one process")  # fmt: skip
+    parser.add_argument("--parallel", default="",
+                        help="comma-separated layouts of torch's parallelism to measure "
+                        f"instead ({', '.join(LAYOUTS)}; machines of --nproc-per-node "
+                        "ranks, 2 unless given): 'parallel', by layout")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs' records here")
     args = parser.parse_args(argv)
+    layouts = [name for name in args.parallel.split(",") if name]
+    if set(layouts) - set(LAYOUTS):
+        parser.error(f"--parallel takes {', '.join(LAYOUTS)}, not {args.parallel}")
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 2 if layouts else 1
+    args.layout = ""
     k = args.nproc_per_node
     if k < 1 or args.nproc % k or args.nproc // k < 2:
         parser.error("--nproc must be a multiple of --nproc-per-node, of at least two machines")
     if args.machine_only and k == 1:
         parser.error("--machine-only needs --nproc-per-node above 1")
+    if layouts and (args.machine_only or k < 2):
+        parser.error("--parallel runs on machines of 2 or more ranks, without --machine-only")
     load = measure.Load()
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as tmp:
         out = args.out or Path(tmp)
         progress = Progress()
         result: dict[str, Any] = {"nproc": args.nproc, "nproc_per_node": k, "steps": args.steps}
-        if not args.machine_only:
+        if layouts:
+            result["parallel"] = {
+                name: _layout(
+                    out / name, argparse.Namespace(**{**vars(args), "layout": name}), progress
+                )
+                for name in layouts
+            }
+        elif not args.machine_only:
             result.update(_one_process_machines(out, args, progress))
-        result["machine"] = _machine(out / "machine", args, progress) if k > 1 else None
+        if not layouts:
+            result["machine"] = _machine(out / "machine", args, progress) if k > 1 else None
         progress.say("done")
     result["host_load"] = load.as_dict()
     print(json.dumps(result, indent=None))

@@ -195,11 +195,14 @@ def machine_shortfalls(m: Mapping[str, Any]) -> list[str]:
         out.append("checkpoint-restart ratio not measurable (step noise unknown)")
     elif r < TARGET_RATIO:
         out.append(f"checkpoint-restart ratio {r:.1f} < {TARGET_RATIO:g}")
-    failover = max(m["failover_downtime_s"], m["failover"].get("runtime_downtime_s") or 0.0)
-    if failover > TARGET_FAILOVER_S:
-        out.append(f"failover downtime {failover:.3f} s > {TARGET_FAILOVER_S:g} s")
+    if m["failover_downtime_s"] is None:
+        out.append(f"failover not measured: {m['failover'].get('reason', 'no failover ran')}")
+    else:
+        failover = max(m["failover_downtime_s"], m["failover"].get("runtime_downtime_s") or 0.0)
+        if failover > TARGET_FAILOVER_S:
+            out.append(f"failover downtime {failover:.3f} s > {TARGET_FAILOVER_S:g} s")
     for key in ("loss_match", "loss_match_checkpoint_restart", "loss_match_failover"):
-        if not m[key]:
+        if key in m and not m[key]:
             out.append(f"{key} false: not the reference job's training")
     rss = m["stayer_rss_overhead"]
     if rss > TARGET_RSS_OVERHEAD:
