@@ -24,9 +24,12 @@ ready, waits for a ``Prepare`` naming its machine, learns from the leaver the ra
 will take, builds the job's next group with the stayers, and returns that rank. The
 script then builds its mesh and model as any worker does, and its session takes the
 leaver's shards (parameters and optimizer state, pre-copied, then kept in lock-step
-with the leaver's clipped gradient shards) and joins at the switch. So a standby of
-a wrapped job runs no shadow iterations (its forward would need the job's
-all-gathers), and once prepared for a rank it serves that migration only: if the
+with the leaver's clipped gradient shards) and joins at the switch. Its sandboxed
+shadow iterations (``SessionConfig.shadow_steps`` of the user's loop) run in its
+session before it tells the stayers it is ready, every collective answered from its
+own tensors (``swap_group.Loopback``): the joiner's first forward and backward, and
+their allocations, happen before the switch, not in the first step after it. Once
+prepared for a rank it serves that migration only: if the
 migration fails or is aborted, it registers as ``failed`` and its loop ends (the
 machine needs a fresh standby process: ``tmd launch`` starts one only when it
 restarts the job). If the job stops first, ``init`` returns None, the default world

@@ -24,8 +24,9 @@ the job then restarts from its latest checkpoint (``checkpoint_dir``,
 
 A model wrapped by torch's own parallelism (``fully_shard``, HSDP, tensor
 parallelism on a mesh) is trained the same way, once ``tmd.runtime.parallel.init()``
-made the groups beneath it swappable; its standby runs no shadow iteration, and a
-member lost mid-step rolls the job back to its checkpoint (``tmd.runtime.parallel``).
+made the groups beneath it swappable; its standby's shadow iterations run once it
+knows the rank it takes, their collectives answered locally, and a member lost
+mid-step rolls the job back to its checkpoint (``tmd.runtime.parallel``).
 
 Every change of group goes through one call, ``Session.reconfigure``, with a
 ``Reconfiguration`` (``tmd.runtime.membership``): the first group at start, a switch
@@ -198,6 +199,8 @@ class Session:
                 for mid in self._place.seen:
                     self.commands.first_seen(mid)
                 self.stopped = self._place.prepared is None  # the job stopped first
+                if not self.stopped:
+                    swap_group.sandbox()  # its shadow iterations talk to no one
             elif self.wrapped:
                 raise ConfigError("TMD_ROLE", "a standby of a job wrapped by torch's "
                                   "parallelism must call tmd.runtime.parallel.init() "
@@ -273,7 +276,8 @@ class Session:
         standby that never joined) the job stopped."""
         self.timing.mark_step_end(time.monotonic())
         while not (self.left or self.stopped):
-            if self._place is not None:  # a wrapped standby, prepared for a rank
+            warm = self.shadow_steps_done >= self.config.shadow_steps
+            if self._place is not None and warm:  # a wrapped standby, prepared for a rank
                 place, self._place = self._place, None
                 joined = parallel.finish_join(self, place)
                 if joined is None:
@@ -282,7 +286,7 @@ class Session:
                     self.reconfigure(joined)
                 self.timing.mark_step_end(time.monotonic())
                 continue
-            if self.is_shadow and self.shadow_steps_done >= self.config.shadow_steps:
+            if self.is_shadow and self._place is None and warm:
                 self.warmup_s = time.monotonic() - self.created
                 joined = standby.stand_by(self)  # this process's place, or the job stopped
                 if joined is None:
@@ -407,10 +411,11 @@ class Session:
 
     def _shadow_step(self) -> None:
         # A sandboxed iteration: the all-reduce is answered with this rank's own
-        # gradients, i.e. what every replica agreeing would produce. Real tensors,
-        # real kernels, no network.
-        assert self.reducer is not None  # a wrapped standby runs no shadow iteration
-        self.reducer.load(None)
+        # gradients, i.e. what every replica agreeing would produce (a wrapped model's
+        # collectives ran on swap_group.Loopback). Real tensors, real kernels, no
+        # network.
+        if self.reducer is not None:
+            self.reducer.load(None)
         self.apply_update()
         self.shadow_steps_done += 1
         self.timing.mark_step_end(time.monotonic())

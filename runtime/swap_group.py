@@ -46,7 +46,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, Store
+from torch._C._distributed_c10d import (  # type: ignore[attr-defined]  # not in its stubs
+    HashStore,
+    Store,
+    _create_work_from_future,
+)
 
 from tmd.errors import MigrationError
 from tmd.runtime.group import Group, GroupBuilder, StoreAddress, make_group
@@ -308,3 +312,135 @@ def bind_inner(world: Group, inner: dict[str, Group], store: Store) -> list[Any]
         return shell(backend, rank=g.rank(), size=g.size(), store=store)
 
     return [old for old in swap_all(wrap) if old is not None]
+
+
+# -- the sandbox ------------------------------------------------------------------------
+
+
+class Loopback:
+    """An inner group that answers every collective from this rank's own tensors, with
+    no communication: a gather repeats this rank's part, a reduce-scatter keeps this
+    rank's chunk, a reduction leaves its input (every replica agreeing). What a wrapped
+    standby's sandboxed shadow iterations run on (real kernels, real allocations, no
+    network); the numbers are disposable, the joiner's state is overwritten when the
+    leaver's arrives. Point-to-point receives are refused."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def shutdown(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def _get_backend(self, device: Any) -> Any:
+        raise MigrationError("a sandboxed shadow iteration has no backend")
+
+    @staticmethod
+    def _done(result: Any = None) -> Any:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(result)
+        return _create_work_from_future(future)
+
+    def _gather_into(self, output: torch.Tensor, part: torch.Tensor) -> None:
+        with torch.no_grad():
+            if output.numel() == part.numel() * self._size:
+                # FSDP gathers in place: its input is this rank's chunk of the output.
+                output.view(self._size, -1).copy_(part.reshape(1, -1).clone())
+
+    def _chunk_into(self, output: torch.Tensor, whole: torch.Tensor) -> None:
+        with torch.no_grad():
+            if whole.numel() == output.numel() * self._size:
+                output.view(-1).copy_(whole.reshape(self._size, -1)[self._rank].clone())
+
+    # Reductions, broadcasts, barriers, sends: this rank's tensors are the answer.
+    def _identity(self, *args: Any, **kwargs: Any) -> Any:
+        return self._done(args[0] if args else None)
+
+    allreduce = allreduce_coalesced = broadcast = barrier = reduce = send = _identity
+
+    def all_gather_single(self, output: torch.Tensor, part: torch.Tensor, *_: Any) -> Any:
+        self._gather_into(output, part)
+        return self._done([output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], parts: list[torch.Tensor], *_: Any
+    ) -> Any:
+        for output, part in zip(outputs, parts, strict=False):
+            self._gather_into(output, part)
+        return self._done(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], parts: list[torch.Tensor], *_: Any
+    ) -> Any:
+        with torch.no_grad():
+            for out, part in zip(outputs, parts, strict=False):
+                for t in out:
+                    if t.shape == part.shape:
+                        t.copy_(part)
+        return self._done(outputs)
+
+    allgather_coalesced = gather = allgather
+
+    def reduce_scatter_single(self, output: torch.Tensor, whole: torch.Tensor, *_: Any) -> Any:
+        self._chunk_into(output, whole)
+        return self._done([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], wholes: list[torch.Tensor], *_: Any
+    ) -> Any:
+        for output, whole in zip(outputs, wholes, strict=False):
+            self._chunk_into(output, whole)
+        return self._done(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *_: Any
+    ) -> Any:
+        with torch.no_grad():
+            for output, parts in zip(outputs, inputs, strict=False):
+                if len(parts) == self._size and parts[self._rank].shape == output.shape:
+                    output.copy_(parts[self._rank])
+        return self._done(outputs)
+
+    scatter = reduce_scatter
+
+    def alltoall_base(self, output: torch.Tensor, whole: torch.Tensor, *_: Any) -> Any:
+        with torch.no_grad():
+            if output.shape == whole.shape:
+                output.copy_(whole)
+        return self._done([output])
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *_: Any) -> Any:
+        with torch.no_grad():
+            for output, part in zip(outputs, inputs, strict=False):
+                if output.shape == part.shape:
+                    output.copy_(part)
+        return self._done(outputs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        raise MigrationError("a sandboxed shadow iteration received from a peer: it has none")
+
+    recv_anysource = recv
+
+
+def sandbox() -> None:
+    """Run every group on a ``Loopback`` of its rank and size (a wrapped standby's
+    shadow iterations), until the session binds the real inner groups."""
+    swap_all(lambda g: Loopback(g.rank(), g.size()))

@@ -95,6 +95,12 @@ async def start_daemon(tmp_path: Path) -> AsyncIterator[DaemonFactory]:
     yield start
     for t in tasks:
         t.cancel()
+    # A daemon that does not end once cancelled fails the test with its stack, rather
+    # than hold the whole run until CI's limit.
+    stuck = (await asyncio.wait(tasks, timeout=60))[1] if tasks else set()
+    for t in stuck:
+        t.print_stack()
+    assert not stuck, f"{len(stuck)} daemon(s) still running 60 s after being cancelled"
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t

@@ -139,9 +139,10 @@ def train(argv: list[str]) -> None:
     losses: list[tuple[int, int, float]] = []
     with session(model, optimizer, scheduler=scheduler, stateful={"data": data},
                  config=config, env=env) as s:  # fmt: skip
-        done = 0
+        done = shadows = 0
         for step in s.steps(args.steps):
-            while done < step:  # a joiner catches its reference up with the job
+            shadow = s.is_shadow  # a standby's sandboxed iterations: disposable
+            while not shadow and done < step:  # a joiner catches its reference up
                 reference_step(done)
                 done += 1
             idx = data.next_batch()
@@ -149,8 +150,12 @@ def train(argv: list[str]) -> None:
             loss.backward()  # type: ignore[no-untyped-call]
             if doomed and step == args.kill_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # its shards of the gradients are out
-            losses.append((s.rank, step, float(loss.item())))
+            if not shadow:
+                losses.append((s.rank, step, float(loss.item())))
             s.step()
+            if shadow:
+                shadows += 1
+                continue
             reference_step(step)
             done = step + 1
             if args.hold and os.path.exists(args.hold):
@@ -161,7 +166,7 @@ def train(argv: list[str]) -> None:
             whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
             diff = max(float((whole[k] - v).abs().max()) for k, v in reference.state_dict().items())
             result = {"rank": s.rank, "node": env.node, "step": s.state.step, "max_diff": diff,
-                      "init_rank": rank, "run": env.restart_count,
+                      "init_rank": rank, "run": env.restart_count, "shadow_steps": shadows,
                       "restored_step": s.restored_step}  # fmt: skip
             (out / f"final-rank{s.rank}.json").write_text(json.dumps(result))
 

@@ -1,9 +1,10 @@
 """``tmd bench downtime`` at its smallest sizes (1 layer): 2 ranks on machines of one
-process (the size that once divided by zero), and, with ``--machine-only``, 4 ranks on
-machines of two, moved and lost whole. Each finishes, every downtime is within
-plausible bounds, each breakdown adds up to its total, the ratios are finite, and
-every method trained exactly the reference job. The numbers themselves, targets
-included, are the benchmark's business."""
+process (the size that once divided by zero); with ``--machine-only``, 4 ranks on
+machines of two, moved and lost whole; with ``--parallel hsdp``, the same machines
+of an HSDP job, moved live and restarted from a sharded checkpoint. Each finishes,
+every downtime is within plausible bounds, each breakdown adds up to its total, the
+ratios are finite, and every method trained exactly the reference job. The numbers
+themselves, targets included, are the benchmark's business."""
 
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ def test_the_smallest_downtime_benches_measure_every_method_consistently() -> No
     test's, and every bound below holds however loaded the machine is)."""
     one = start("--nproc", "2")
     two = start("--nproc", "4", "--nproc-per-node", "2", "--machine-only")
+    three = start("--nproc", "4", "--parallel", "hsdp")
     try:
         machines_of_one_process(result(one))
         machines_of_two_ranks(result(two))
+        a_wrapped_job(result(three))
     finally:
-        for run, *files in (one, two):
+        for run, *files in (one, two, three):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(run.pid, signal.SIGKILL)  # the bench and the workers it started
             run.wait()
@@ -113,3 +116,25 @@ def machines_of_two_ranks(r: dict[str, Any]) -> None:
     assert m["loss_match"] and m["loss_match_checkpoint_restart"] and m["loss_match_failover"]
     assert math.isfinite(m["stayer_rss_overhead"])
     assert m["holds_target"] == (m["shortfalls"] == [])
+
+
+def a_wrapped_job(r: dict[str, Any]) -> None:
+    """``--parallel hsdp``: worker1 (two ranks of an HSDP job) moved live; the job
+    checkpoint-restarted from its sharded checkpoint; failover said to be not built."""
+    assert set(r["parallel"]) == {"hsdp"} and "live" not in r and "machine" not in r
+    m = r["parallel"]["hsdp"]
+    assert m["nproc_per_node"] == 2
+    noise = m["step_noise_s"]
+    assert noise is not None and noise >= 0
+    assert -(noise + m["median_step_s"]) <= m["downtime_s"] < 60
+    parts = m["breakdown"]
+    assert parts["parts_sum_s"] == pytest.approx(parts["total_s"], abs=1e-9)
+    assert parts["total_s"] == m["runtime_downtime_s"]
+    restart = m["checkpoint_restart"]
+    assert sum(restart["breakdown"].values()) == pytest.approx(restart["downtime_s"], abs=1e-6)
+    assert restart["downtime_s"] > m["downtime_s"] + noise
+    assert m["loss_match"] and m["loss_match_checkpoint_restart"]
+    assert m["live_steps"] >= 14  # held until its switch, then a few steps more
+    assert m["failover_downtime_s"] is None and m["failover"]["built"] is False
+    assert any(s.startswith("failover not measured") for s in m["shortfalls"])
+    assert math.isfinite(m["stayer_rss_overhead"])

@@ -258,7 +258,7 @@ async def _publish_garbage_and_count(daemon: Daemon, host: str, port: int) -> in
 def _checkpoint_restart(out: Path) -> dict[str, Any]:
     from tmd.tools.bench import downtime
 
-    args = argparse.Namespace(nproc=NPROC, steps=10, switch_at=6, layers=LAYERS)
+    args = argparse.Namespace(nproc=NPROC, steps=10, switch_at=6, layers=LAYERS, layout="")
     result = downtime._checkpoint_restart(out, args, per_node=PER_NODE)
     result.pop("loss", None)
     return result
