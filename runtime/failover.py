@@ -155,16 +155,22 @@ def wrapped_failure(session: Session, error: BaseException) -> None:
     not a lost member's) or this process was counted lost itself."""
     gen = session.membership.generation
     prefix, migration_id = fail_prefix(gen), f"failover-g{gen}"
+    not_built = "in-place failover of a job wrapped by torch's parallelism is not built yet"
     try:
         decision = _agree(session, prefix)
-    except (MigrationError, RuntimeError):  # Replaced included: this process is out
+    except Replaced as exc:  # its machine lost a rank: the restart goes on without it
+        give_up(session, migration_id, f"{exc}; {not_built}", error)
+    except (MigrationError, RuntimeError):
         return
-    lost = decision.get("lost") or []
-    if decision["action"] == "rollback" and "no rank was lost" in decision["reason"]:
+    # Lost: a rank that neither registered nor answered as present. A member still
+    # blocked in the wrapper's collective answers (its Presence thread), so an error
+    # of one rank's own (a bug, out of memory) blames no machine.
+    alive = set(decision.get("alive") or _alive(session, prefix))
+    gone = set(range(session.world_size)) - alive - present(session.store, gen)
+    if not gone:
         return
-    why = ", ".join(lost) if lost else decision.get("reason", "")
-    give_up(session, migration_id, f"lost {why}: in-place failover of a job wrapped by "
-            "torch's parallelism is not built yet", error)  # fmt: skip
+    lost = sorted({session.membership.nodes[r] for r in gone})
+    give_up(session, migration_id, f"lost {', '.join(lost)}: {not_built}", error)
 
 
 def _wait_for_survivors(session: Session, prefix: str) -> None:

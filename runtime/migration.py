@@ -46,10 +46,16 @@ def world_prefix(migration_id: str) -> str:
 
 
 def groups_key(migration_id: str) -> str:
-    """Counted up by each joining process of a wrapped job once its mesh exists and it
-    reads the transfer channel: the stayers start building the inner groups once every
-    slot has (a machine of K slots counts to K)."""
+    """Counted up by each joining process of a wrapped job once its mesh exists: the
+    stayers start building the inner groups once every slot has (a machine of K slots
+    counts to K)."""
     return f"tmd/mig/{migration_id}/groups"
+
+
+def reading_key(migration_id: str) -> str:
+    """Counted up by each joining process of a wrapped job once it reads the transfer
+    channel (after its shadow iterations): the leaver sends it nothing before."""
+    return f"tmd/mig/{migration_id}/reading"
 
 
 def xfer_prefix(migration_id: str, local_rank: int) -> str:
@@ -167,15 +173,16 @@ class Migration:
                                             host=self.host)  # fmt: skip
         return self.inner
 
-    def joiner_ready(self) -> bool:
-        """Every joining process has its model and reads the channel (a joiner of a
-        wrapped job builds its model only once it knows its rank; before, a message
-        sent to it would block the sender until it reads)."""
-        if self.wrapped is None:
-            return True
-        key = groups_key(self.id)
+    def _every_slot(self, key: str) -> bool:
+        assert self.wrapped is not None
         slots = len(self.leaver_ranks)
         return bool(self.wrapped.check([key])) and int(self.wrapped.add(key, 0)) >= slots
+
+    def joiner_ready(self) -> bool:
+        """Every joining process reads the channel (a joiner of a wrapped job builds
+        its model only once it knows its rank, then runs its shadow iterations; until
+        it reads, a message sent to it would hold the sender)."""
+        return self.wrapped is None or self._every_slot(reading_key(self.id))
 
     def _inner_pending(self) -> bool:
         """A stayer of a wrapped job whose inner groups are not all built yet (starting
@@ -183,7 +190,7 @@ class Migration:
         if self.wrapped is None or self.is_leaver:
             return False
         if self.inner is None:
-            if not self.joiner_ready():
+            if not self._every_slot(groups_key(self.id)):
                 return True
             self._start_inner()
         assert self.inner is not None

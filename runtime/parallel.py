@@ -60,12 +60,12 @@ from tmd.runtime import swap_group
 from tmd.runtime.commands import AckKind
 from tmd.runtime.control import ControlChannel, Sink, open_control
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.group import connect_store
+from tmd.runtime.group import GroupBuilder, connect_store
 from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Reconfiguration
-from tmd.runtime.migration import groups_key, world_prefix
+from tmd.runtime.migration import groups_key, reading_key, world_prefix
 from tmd.runtime.session_config import SessionConfig
-from tmd.runtime.standby import Prepared, announce, complete_join, prepare_join
+from tmd.runtime.standby import Prepared, Standing, announce, complete_join, prepare_join
 from tmd.runtime.swap_group import start_inner
 
 if TYPE_CHECKING:
@@ -90,10 +90,22 @@ class Place:
     prepare: wire.Prepare | None = None
     prepared: Prepared | None = None
     heartbeat: Heartbeat | None = None
+    inner: dict[str, GroupBuilder] | None = None
 
     @property
     def rank(self) -> int | None:
         return None if self.prepared is None else self.prepared.rank
+
+    def close(self) -> None:
+        """Stop the heartbeat; abandon whatever is still being built."""
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        builders = list((self.inner or {}).values())
+        if self.prepared is not None:
+            builders.append(self.prepared.world)
+        for builder in builders:
+            if not builder.done():
+                builder.abandon()
 
 
 _place: Place | None = None
@@ -193,22 +205,39 @@ def finish_join(session: Session, place: Place) -> Reconfiguration | None:
     the rank ``init`` returned: build the inner groups with the stayers (they start
     once they see the store key), then follow the leaver and commit
     (``standby.complete_join``). None: the migration failed or was aborted."""
-    assert place.prepare is not None
-    assert place.prepared is not None and place.heartbeat is not None
-    mid, env, cfg = place.prepare.migration_id, session.env, session.config
-    inner = start_inner(env.store, world_prefix(mid), timeout=cfg.group_timeout,
-                        backend=env.backend, host=env.host)  # fmt: skip
-    session.store.add(groups_key(mid), 1)  # this slot's mesh exists, and it reads the channel
+    assert place.prepare is not None and place.prepared is not None
+    assert place.inner is not None
+    mid = place.prepare.migration_id
+    session.store.add(reading_key(mid), 1)  # from here on it reads the channel
     joined = None
     try:
-        joined = complete_join(session, mid, place.prepared, inner)
+        joined = complete_join(session, mid, place.prepared, place.inner)
     except (MigrationError, RuntimeError, ValueError) as exc:
         session.ack(mid, "failed", detail=str(exc))
-    finally:
-        place.heartbeat.close()
     if joined is None:
-        for builder in inner.values():
-            builder.abandon()
-        # Sharded for a rank it did not take, this process cannot serve another.
-        announce(session, "failed")
+        abandon(session, place)
+    else:
+        place.close()
     return joined
+
+
+def start_groups(session: Session, place: Place) -> None:
+    """A wrapped standby's session opened, its mesh built: start building the inner
+    groups with the stayers (they start theirs once every slot counted itself), and
+    run the shadow iterations on ``Loopback`` groups meanwhile."""
+    assert place.prepare is not None
+    mid, env, cfg = place.prepare.migration_id, session.env, session.config
+    place.inner = start_inner(env.store, world_prefix(mid), timeout=cfg.group_timeout,
+                              backend=env.backend, host=env.host)  # fmt: skip
+    session.store.add(groups_key(mid), 1)
+    swap_group.sandbox()
+
+
+def abandon(session: Standing, place: Place, detail: str = "") -> None:
+    """The join is off (failed, aborted, or the script raised): stop the heartbeat
+    and the builds; sharded for a rank it did not take, this process cannot serve
+    another, so it registers as failed."""
+    if place.prepare is not None and detail:
+        session.ack(place.prepare.migration_id, "failed", detail=detail)
+    place.close()
+    announce(session, "failed")

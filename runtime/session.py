@@ -200,7 +200,7 @@ class Session:
                     self.commands.first_seen(mid)
                 self.stopped = self._place.prepared is None  # the job stopped first
                 if not self.stopped:
-                    swap_group.sandbox()  # its shadow iterations talk to no one
+                    parallel.start_groups(self, self._place)
             elif self.wrapped:
                 raise ConfigError("TMD_ROLE", "a standby of a job wrapped by torch's "
                                   "parallelism must call tmd.runtime.parallel.init() "
@@ -245,6 +245,12 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         try:
             error = exc[1]
+            if self._place is not None:  # a wrapped standby that did not join
+                place, self._place = self._place, None
+                if error is None:  # the job stopped first
+                    place.close()
+                else:
+                    parallel.abandon(self, place, f"the standby's loop raised: {error!r}")
             if (
                 self.wrapped and self.role == "worker" and not self.left
                 and isinstance(error, RuntimeError) and not isinstance(error, TmdError)

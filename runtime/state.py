@@ -126,7 +126,12 @@ class TrainState:
         if len(manifest) != len(params):
             raise ValueError(f"peer has {len(manifest)} parameters, this rank {len(params)}")
         for p, entries in zip(params, manifest, strict=True):
+            if not entries:  # no state on the peer: none here (a shadow step's goes)
+                self.optimizer.state.pop(p, None)
+                continue
             state = self.optimizer.state.setdefault(p, {})
+            for extra in set(state) - {key for key, _ in entries}:
+                del state[extra]
             for key, (kind, *rest) in entries:
                 if kind == "v":
                     state[key] = rest[0]
@@ -160,9 +165,10 @@ class TrainState:
         params = self.params()
         for p in params:
             g = p.grad
-            if is_dtensor(p) and g is not None and g.placements != p.placements:  # type: ignore[attr-defined]
+            placed = getattr(g, "placements", None)
+            if is_dtensor(p) and g is not None and placed != p.placements:  # type: ignore[attr-defined]
                 raise ValueError(
-                    f"a gradient placed {g.placements} for a parameter placed "  # type: ignore[attr-defined]
+                    f"a gradient placed {placed} for a parameter placed "
                     f"{p.placements}: the joiner could not apply it as the leaver does"  # type: ignore[attr-defined]
                 )
         grads = [p.grad for p in params]

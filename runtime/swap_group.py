@@ -354,17 +354,40 @@ class Loopback:
             if output.numel() == part.numel() * self._size:
                 # FSDP gathers in place: its input is this rank's chunk of the output.
                 output.view(self._size, -1).copy_(part.reshape(1, -1).clone())
+            else:  # an answer it cannot make is zeros, never uninitialised memory
+                output.zero_()
 
     def _chunk_into(self, output: torch.Tensor, whole: torch.Tensor) -> None:
         with torch.no_grad():
             if whole.numel() == output.numel() * self._size:
                 output.view(-1).copy_(whole.reshape(self._size, -1)[self._rank].clone())
+            else:
+                output.zero_()
 
-    # Reductions, broadcasts, barriers, sends: this rank's tensors are the answer.
+    @staticmethod
+    def _copy(output: torch.Tensor, source: torch.Tensor) -> None:
+        with torch.no_grad():
+            if output.shape == source.shape:
+                output.copy_(source)
+            else:
+                output.zero_()
+
+    # Reductions, barriers, sends: this rank's tensors are the answer.
     def _identity(self, *args: Any, **kwargs: Any) -> Any:
         return self._done(args[0] if args else None)
 
-    allreduce = allreduce_coalesced = broadcast = barrier = reduce = send = _identity
+    allreduce = allreduce_coalesced = barrier = reduce = send = _identity
+
+    def broadcast(self, tensors: Any, root: Any = None, *_: Any) -> Any:
+        """From this rank: its tensors are the answer. From another there is none to
+        be had without the job (an object broadcast would read garbage): refused."""
+        rank = getattr(root, "rootRank", root)
+        if rank is not None and rank != self._rank:
+            raise MigrationError(
+                f"a sandboxed shadow iteration broadcast from rank {rank}: a standby's "
+                "shadow steps can only run collectives its own tensors answer"
+            )
+        return self._done(tensors)
 
     def all_gather_single(self, output: torch.Tensor, part: torch.Tensor, *_: Any) -> Any:
         self._gather_into(output, part)
@@ -384,14 +407,22 @@ class Loopback:
     def allgather(
         self, outputs: list[list[torch.Tensor]], parts: list[torch.Tensor], *_: Any
     ) -> Any:
-        with torch.no_grad():
-            for out, part in zip(outputs, parts, strict=False):
-                for t in out:
-                    if t.shape == part.shape:
-                        t.copy_(part)
+        # outputs[i][r]: tensor i as rank r has it
+        for out, part in zip(outputs, parts, strict=False):
+            for t in out:
+                self._copy(t, part)
         return self._done(outputs)
 
-    allgather_coalesced = gather = allgather
+    gather = allgather
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], parts: list[torch.Tensor], *_: Any
+    ) -> Any:
+        # outputs[r][i]: tensor i as rank r has it
+        for out in outputs:
+            for t, part in zip(out, parts, strict=False):
+                self._copy(t, part)
+        return self._done(outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, whole: torch.Tensor, *_: Any) -> Any:
         self._chunk_into(output, whole)
@@ -411,27 +442,30 @@ class Loopback:
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *_: Any
     ) -> Any:
-        with torch.no_grad():
-            for output, parts in zip(outputs, inputs, strict=False):
-                if len(parts) == self._size and parts[self._rank].shape == output.shape:
-                    output.copy_(parts[self._rank])
+        for i, output in enumerate(outputs):
+            parts = inputs[i] if i < len(inputs) else []
+            self._copy(output, parts[self._rank] if len(parts) == self._size else output[:0])
         return self._done(outputs)
 
-    scatter = reduce_scatter
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *_: Any
+    ) -> Any:
+        if not inputs:  # the source is another rank
+            raise MigrationError(
+                "a sandboxed shadow iteration scattered from another rank: build the mesh "
+                "and wrappers without communication (src_data_rank=None)"
+            )
+        return self.reduce_scatter(outputs, inputs)
 
     def alltoall_base(self, output: torch.Tensor, whole: torch.Tensor, *_: Any) -> Any:
-        with torch.no_grad():
-            if output.shape == whole.shape:
-                output.copy_(whole)
+        self._copy(output, whole)
         return self._done([output])
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *_: Any) -> Any:
-        with torch.no_grad():
-            for output, part in zip(outputs, inputs, strict=False):
-                if output.shape == part.shape:
-                    output.copy_(part)
+        for output, part in zip(outputs, inputs, strict=False):
+            self._copy(output, part)
         return self._done(outputs)
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
