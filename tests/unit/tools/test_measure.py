@@ -215,9 +215,13 @@ def machine(**changed: Any) -> dict[str, Any]:
          ["loss_match_failover false: not the reference job's training"]),
         ({"stayer_rss_overhead": 0.021}, ["stayer RSS overhead 0.021 > 0.02"]),
         ({"downtime_s": 0.4, "runtime_downtime_s": None, "stayer_rss_overhead": 0.02}, []),
+        # Net of what the unmigrated run grew by over the same steps, where measured.
+        ({"stayer_rss_overhead": 0.12, "stayer_rss_overhead_net": 0.01}, []),
+        ({"stayer_rss_overhead": 0.01, "stayer_rss_overhead_net": 0.03},
+         ["stayer RSS overhead 0.030 net of the reference run's growth > 0.02"]),
     ],
     ids=["holds", "live", "ratio", "no-ratio", "failover-runtime", "failover-records",
-         "loss", "rss", "at-the-limits"],
+         "loss", "rss", "at-the-limits", "rss-net-holds", "rss-net"],
 )  # fmt: skip
 def test_a_machine_misses_each_target_for_its_own_reason(
     changed: dict[str, Any], missed: list[str]
@@ -230,3 +234,9 @@ def test_the_load_says_how_busy_the_machine_was() -> None:
 
     assert got["cpus"] >= 1
     assert got["load_1m_start"] >= 0 and got["load_1m_end"] >= 0
+
+
+def test_rss_growth_is_the_rise_of_the_peak() -> None:
+    rows = lambda *rss: [[0, i, 0.0, 0.0, 1.0, r] for i, r in enumerate(rss)]  # noqa: E731
+    assert measure.rss_growth(rows(100, 200), rows(150, 210)) == pytest.approx(0.05)
+    assert measure.rss_growth(rows(200), rows(100)) == pytest.approx(-0.5)

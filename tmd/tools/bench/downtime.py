@@ -397,9 +397,15 @@ def _migration(
         if before and during:
             result[name] = measure.slowdown(before, during, reference_rows)
             result[name.replace("slowdown", "steps")] = sorted({r[1] for r in during})
-    rss_before = max(r[5] for r in before)
-    rss_after = max(r[5] for r in rows if r[0] not in leaving and r[3] > t_prepare)
-    result["stayer_rss_overhead"] = (rss_after - rss_before) / rss_before
+    after = [r for r in rows if r[0] not in leaving and r[3] > t_prepare]
+    result["stayer_rss_overhead"] = measure.rss_growth(before, after)
+    # The same ranks over the same steps of the unmigrated run: memory a job takes on
+    # as it trains (allocator, caches), which no migration caused.
+    keys = ({(r[0], r[1]) for r in before}, {(r[0], r[1]) for r in after})
+    if all(k <= set(reference_rows) for k in keys):
+        grown = measure.rss_growth(*([reference_rows[k] for k in ks] for ks in keys))
+        result["reference_rss_growth"] = grown
+        result["stayer_rss_overhead_net"] = result["stayer_rss_overhead"] - grown
     return result
 
 
@@ -513,6 +519,7 @@ def _one_process_machines(
         "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
         "failover": failover,
         "stayer_rss_overhead": live.get("stayer_rss_overhead"),
+        "stayer_rss_overhead_net": live.get("stayer_rss_overhead_net"),
         "telemetry_overhead": _telemetry_overhead(live["median_step_s"]),
         "prepare_slowdown": live.get("prepare_slowdown"),
         "lockstep_slowdown": live.get("lockstep_slowdown"),
@@ -555,6 +562,7 @@ def _machine(out: Path, args: argparse.Namespace, progress: Progress) -> dict[st
         "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
         "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
         "stayer_rss_overhead": live["stayer_rss_overhead"],
+        "stayer_rss_overhead_net": live.get("stayer_rss_overhead_net"),
         "prepare_slowdown": live.get("prepare_slowdown"),
         "lockstep_slowdown": live.get("lockstep_slowdown"),
         "checkpoint_restart": restart,
@@ -603,6 +611,7 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
         ),
         "live_steps": last + 1,
         "stayer_rss_overhead": live["stayer_rss_overhead"],
+        "stayer_rss_overhead_net": live.get("stayer_rss_overhead_net"),
         "prepare_slowdown": live.get("prepare_slowdown"),
         "lockstep_slowdown": live.get("lockstep_slowdown"),
         "checkpoint_restart": restart,

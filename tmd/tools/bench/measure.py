@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,10 +204,22 @@ def machine_shortfalls(m: Mapping[str, Any]) -> list[str]:
     for key in ("loss_match", "loss_match_checkpoint_restart", "loss_match_failover"):
         if key in m and not m[key]:
             out.append(f"{key} false: not the reference job's training")
-    rss = m["stayer_rss_overhead"]
-    if rss > TARGET_RSS_OVERHEAD:
+    net = m.get("stayer_rss_overhead_net")
+    if net is not None:  # what the unmigrated run did not grow by over the same steps
+        if net > TARGET_RSS_OVERHEAD:
+            out.append(f"stayer RSS overhead {net:.3f} net of the reference run's growth "
+                       f"> {TARGET_RSS_OVERHEAD:g}")  # fmt: skip
+    elif m["stayer_rss_overhead"] > TARGET_RSS_OVERHEAD:
+        rss = m["stayer_rss_overhead"]
         out.append(f"stayer RSS overhead {rss:.3f} > {TARGET_RSS_OVERHEAD:g}")
     return out
+
+
+def rss_growth(before: Sequence[Sequence[Any]], after: Sequence[Sequence[Any]]) -> float:
+    """How much the largest RSS (column 5 of a step row) of ``after`` exceeds that of
+    ``before``, as a fraction of it."""
+    peak = float(max(r[5] for r in before))
+    return (float(max(r[5] for r in after)) - peak) / peak
 
 
 class Load:
