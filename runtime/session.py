@@ -543,18 +543,28 @@ class Session:
         )  # fmt: skip
 
 
-def _wrapped(model: torch.nn.Module, state: TrainState) -> bool:
-    """Is ``model`` wrapped by torch's parallelism on tmd's swappable groups? Raises
-    where it is wrapped in a way tmd cannot move."""
+def _wrapped(model: torch.nn.Module, state: TrainState, installed: bool | None = None) -> bool:
+    """Is ``model`` wrapped by torch's parallelism on tmd's swappable groups
+    (``installed``: ``tmd.runtime.parallel.init()`` ran)? Raises where it is wrapped
+    in a way tmd cannot move, or where nobody would average its gradients."""
+    if installed is None:
+        installed = swap_group.installed()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ConfigError("model", "DistributedDataParallel is not covered yet: pass the "
                           "module itself, the session averages the gradients")  # fmt: skip
     sharded = any(is_dtensor(p) for p in state.params())
-    if sharded and not swap_group.installed():
+    if sharded and not installed:
         raise ConfigError("model", "its parameters are DTensors (fully_shard or tensor "
                           "parallelism) on groups tmd cannot swap: call "
                           "tmd.runtime.parallel.init() before init_device_mesh")  # fmt: skip
-    return swap_group.installed()
+    if installed and not sharded:
+        # The session leaves the gradients to the wrapper: a model no wrapper holds
+        # would train every replica on its own gradients, silently apart.
+        raise ConfigError("model", "tmd.runtime.parallel.init() ran but no parameter is a "
+                          "DTensor: wrap the model (fully_shard, parallelize_module), or "
+                          "leave parallel.init() out and let the session average the "
+                          "gradients")  # fmt: skip
+    return installed
 
 
 def session(

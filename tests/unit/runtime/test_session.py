@@ -109,3 +109,16 @@ def test_a_switch_is_acked_with_its_downtime_once_the_first_step_on_the_new_grou
     assert ack.downtime.switch_s == 0.5
     assert ack.downtime.total_s >= 0.5  # from the end of the last step before the switch
     assert s.state.step == 1
+
+
+def test_a_model_nobody_would_average_or_tmd_could_not_move_is_refused_at_start() -> None:
+    from tmd.errors import ConfigError
+    from tmd.runtime.session import _wrapped
+    from tmd.runtime.state import TrainState
+
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _wrapped(model, state, installed=False) is False  # the session averages
+    # parallel.init() ran, but no wrapper holds the model: nobody would average.
+    with pytest.raises(ConfigError, match="no parameter is a DTensor"):
+        _wrapped(model, state, installed=True)
