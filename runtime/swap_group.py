@@ -398,8 +398,14 @@ class Loopback:
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], parts: list[torch.Tensor], *_: Any
     ) -> Any:
-        for output, part in zip(outputs, parts, strict=False):
-            self._gather_into(output, part)
+        return self._each(self._gather_into, outputs, parts)
+
+    def _each(
+        self, fill: Callable[[torch.Tensor, torch.Tensor], None],
+        outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    ) -> Any:  # fmt: skip
+        for output, source in zip(outputs, inputs, strict=False):
+            fill(output, source)
         return self._done(outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -433,9 +439,7 @@ class Loopback:
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], wholes: list[torch.Tensor], *_: Any
     ) -> Any:
-        for output, whole in zip(outputs, wholes, strict=False):
-            self._chunk_into(output, whole)
-        return self._done(outputs)
+        return self._each(self._chunk_into, outputs, wholes)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -464,9 +468,7 @@ class Loopback:
     all_to_all_single = alltoall_base
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *_: Any) -> Any:
-        for output, part in zip(outputs, inputs, strict=False):
-            self._copy(output, part)
-        return self._done(outputs)
+        return self._each(self._copy, outputs, inputs)
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
         raise MigrationError("a sandboxed shadow iteration received from a peer: it has none")

@@ -545,32 +545,47 @@ def _machine(out: Path, args: argparse.Namespace, progress: Progress) -> dict[st
         restart["downtime_s"], measure.worst(failover), noise
     )
     result: dict[str, Any] = {
-        "nproc_per_node": k,
         "leaver": "worker1",
         "joiner": "standby0",
-        "downtime_s": live["downtime_s"],
-        "runtime_downtime_s": live["runtime_downtime_s"],
-        "median_step_s": live["median_step_s"],
-        "switched_after_step": live["switched_after_step"],
-        "breakdown": live["breakdown"],
-        "step_noise_s": noise,
-        "ratio_checkpoint_restart_vs_noise": measure.ratio(
-            restart["downtime_s"], measure.worst(live), noise
-        ),
+        **_live_fields(live, restart, noise, k),
         "failover_downtime_s": failover["downtime_s"],
         "loss_match": measure.loss_match(measure.losses(out / "live"), reference),
         "loss_match_checkpoint_restart": measure.loss_match(restart.pop("loss"), reference),
         "loss_match_failover": measure.loss_match(failover_losses, reference, complete=False),
-        "stayer_rss_overhead": live["stayer_rss_overhead"],
-        "stayer_rss_overhead_net": live.get("stayer_rss_overhead_net"),
-        "prepare_slowdown": live.get("prepare_slowdown"),
-        "lockstep_slowdown": live.get("lockstep_slowdown"),
         "checkpoint_restart": restart,
         "failover": failover,
     }
     result["shortfalls"] = measure.machine_shortfalls(result)
     result["holds_target"] = not result["shortfalls"]
     return result
+
+
+def _live_fields(
+    live: dict[str, Any], restart: dict[str, Any], noise: float | None, per_node: int
+) -> dict[str, Any]:
+    """A machine's live migration, as ``_machine`` and ``_layout`` report it."""
+    return {
+        "nproc_per_node": per_node,
+        **{
+            key: live[key]
+            for key in (
+                "downtime_s",
+                "runtime_downtime_s",
+                "median_step_s",
+                "switched_after_step",
+                "breakdown",
+            )
+        },
+        "step_noise_s": noise,
+        "ratio_checkpoint_restart_vs_noise": measure.ratio(
+            restart["downtime_s"], measure.worst(live), noise
+        ),
+        "stayer_rss_overhead": live["stayer_rss_overhead"],
+        **{
+            key: live.get(key)
+            for key in ("stayer_rss_overhead_net", "prepare_slowdown", "lockstep_slowdown")
+        },
+    }
 
 
 def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
@@ -593,16 +608,7 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
     restart = _checkpoint_restart(out / "restart", args, per_node=k)
     noise = measure.step_noise(list(reference.values()))
     result: dict[str, Any] = {
-        "nproc_per_node": k,
-        "downtime_s": live["downtime_s"],
-        "runtime_downtime_s": live["runtime_downtime_s"],
-        "median_step_s": live["median_step_s"],
-        "switched_after_step": live["switched_after_step"],
-        "breakdown": live["breakdown"],
-        "step_noise_s": noise,
-        "ratio_checkpoint_restart_vs_noise": measure.ratio(
-            restart["downtime_s"], measure.worst(live), noise
-        ),
+        **_live_fields(live, restart, noise, k),
         "failover_downtime_s": None,
         "failover": {"built": False, "reason": FAILOVER_NOT_BUILT},
         "loss_match": measure.loss_match(live_losses, reference_to_last),
@@ -610,10 +616,6 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
             restart.pop("loss"), reference_to_steps
         ),
         "live_steps": last + 1,
-        "stayer_rss_overhead": live["stayer_rss_overhead"],
-        "stayer_rss_overhead_net": live.get("stayer_rss_overhead_net"),
-        "prepare_slowdown": live.get("prepare_slowdown"),
-        "lockstep_slowdown": live.get("lockstep_slowdown"),
         "checkpoint_restart": restart,
     }
     result["shortfalls"] = measure.machine_shortfalls(result)
