@@ -98,8 +98,10 @@ async def start_daemon(tmp_path: Path) -> AsyncIterator[DaemonFactory]:
     # A daemon that does not end once cancelled fails the test with its stack, rather
     # than hold the whole run until CI's limit.
     stuck = (await asyncio.wait(tasks, timeout=60))[1] if tasks else set()
-    for t in stuck:
-        t.print_stack()
+    if stuck:  # every task left, so the one that ignored its cancel is named
+        for t in asyncio.all_tasks():
+            if t is not asyncio.current_task():
+                t.print_stack()
     assert not stuck, f"{len(stuck)} daemon(s) still running 60 s after being cancelled"
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):

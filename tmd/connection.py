@@ -97,6 +97,11 @@ async def reconnect_forever(
         try:
             await session()
         except errors as exc:
+            if _cancelling():
+                # The session was cancelled, and aiomqtt's disconnect on the way out
+                # timed out: the error replaced the CancelledError, which must not be
+                # lost (the loop would reconnect, and its task group wait forever).
+                raise asyncio.CancelledError from exc
             failed()
             if connected():
                 backoff.reset()
@@ -105,3 +110,8 @@ async def reconnect_forever(
         finally:
             closed()
         await asyncio.sleep(backoff.next())
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -77,3 +77,36 @@ async def test_the_reconnect_loop_counts_each_loss_closes_each_session_and_goes_
         "session", "failed", "broker connection lost: lost, retry in 0.01", "closed",
         "session", "closed",
     ]  # fmt: skip
+
+
+async def test_a_cancelled_session_whose_disconnect_fails_still_ends_the_loop() -> None:
+    """aiomqtt's ``__aexit__`` raises ``MqttError`` when its disconnect times out, which
+    replaces the ``CancelledError`` the session was leaving with: the loop must end."""
+    sessions = []
+    started = asyncio.Event()
+
+    async def session() -> None:
+        sessions.append(1)
+        started.set()
+        if len(sessions) > 1:
+            await asyncio.Event().wait()  # connected again: the defect, ended below
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise aiomqtt.MqttError("Operation timed out")  # the disconnect on the way out
+
+    class Log:
+        def warning(self, what: str, **fields: object) -> None:
+            pass
+
+    config = MqttConfig(reconnect_min_s=0.01, reconnect_max_s=0.01)
+    task = asyncio.create_task(reconnect_forever(
+        session, config=config, log=Log(), connected=lambda: True, closed=lambda: None,
+    ))  # fmt: skip
+    await started.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=5)
+    if not done:
+        task.cancel()
+    assert task in done and task.cancelled()
+    assert sessions == [1]  # it never connected again
