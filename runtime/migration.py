@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import Store
@@ -28,7 +29,7 @@ from tmd.runtime.env import slot_name
 from tmd.runtime.group import Group, GroupBuilder, StoreAddress
 from tmd.runtime.liveness import PeerWatch
 from tmd.runtime.membership import Membership
-from tmd.runtime.state import TrainState
+from tmd.runtime.state import TrainState, bucket_layout
 from tmd.runtime.transfer import Kind, TransferChannel
 
 VOTE_READY = 0
@@ -101,6 +102,8 @@ class Migration:
     channel: TransferChannel | None = None
     snapshot_step: int | None = None  # set once the bulk state is on its way
     snapshot_flushed: bool = False
+    layout: dict[str, Any] | None = None
+    """The leaver's DDP bucket layout (``state.bucket_layout``), sent with the switch."""
     switch: wire.Switch | None = None
     abort_reason: str | None = None
     prepared_acked: bool = False
@@ -221,7 +224,7 @@ class Migration:
             return
         try:
             if self.channel is None:
-                self._open_channel(membership)
+                self._open_channel(state, membership)
             elif (
                 self.snapshot_step is None
                 and (self.eager_copy or self.switch is not None)
@@ -242,17 +245,24 @@ class Migration:
                 raise MigrationError(f"group {b.prefix} not built in {self.timeout}")
         if self.is_leaver:
             if self.channel is None:
-                self._open_channel(membership)
+                self._open_channel(state, membership)
+            elif self.layout is not None and not self.layout["rebuilt"]:
+                # Read before the job's reducer rebuilt its buckets (a migration in
+                # the job's first steps): read again, as it is now.
+                self.layout = bucket_layout(state.model)
             if self.snapshot_step is None:
                 self._send_snapshot(state)
             assert self.channel is not None
             self.channel.flush()
             self.snapshot_flushed = True
 
-    def _open_channel(self, membership: Membership) -> None:
+    def _open_channel(self, state: TrainState, membership: Membership) -> None:
         """Tell the joiner who it will be, so it can build the next group with the
-        stayers; the bulk state follows later (``_send_snapshot``)."""
+        stayers; the bulk state follows later (``_send_snapshot``). A DDP model's
+        bucket layout is read now, outside the switch (it allocates), and sent with
+        the switch for the joiner to check its own against before it commits."""
         assert self.builder is not None
+        self.layout = bucket_layout(state.model)
         self.channel = TransferChannel(self.builder.result(), is_leaver=True)
         after = self.after(membership)
         hello = {"rank": self.my_rank, "nodes": list(after.nodes),
@@ -343,7 +353,7 @@ class Migration:
     def send_switch(self, small_state: dict[str, object], step: int) -> None:
         assert self.channel is not None
         self.channel.flush()
-        self.channel.send(Kind.SWITCH, step, small_state)
+        self.channel.send(Kind.SWITCH, step, {**small_state, "buckets": self.layout})
         self.channel.flush()
 
     def new_group(self) -> Group:

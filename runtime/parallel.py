@@ -1,5 +1,6 @@
 """Jobs wrapped by torch's own parallelism: FSDP2 (``fully_shard``), HSDP and tensor
-parallelism on a ``DeviceMesh``, migrated live by swapping the groups beneath them.
+parallelism on a ``DeviceMesh``, and ``DistributedDataParallel`` (built with
+``init_sync=False``), migrated live by swapping the groups beneath them.
 
     import tmd.runtime as rt
     from tmd.runtime import parallel
@@ -41,9 +42,9 @@ through one small all-reduce on tmd's own group, and the update (clipping, optim
 scheduler) runs as for data parallelism. Not covered yet, each refused with an error
 that says so: in-place failover (a member lost mid-step makes every survivor raise
 ``RestartRequired``: the job rolls back to its checkpoint, which is sharded, written
-collectively with ``torch.distributed.checkpoint``), ``DistributedDataParallel``
-(its constructor runs collectives a joiner cannot join), NCCL (see ``swap_group``).
-Tested with torch 2.13.0 on gloo and the CPU.
+collectively with ``torch.distributed.checkpoint``), NCCL (see ``swap_group``). A
+DDP joiner commits only where its reducer buckets the gradients as the job's does
+(``state.bucket_layout``). Tested with torch 2.13.0 on gloo and the CPU.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch._C._distributed_c10d import Store
 
 from tmd import wire
@@ -230,7 +232,8 @@ def start_groups(session: Session, place: Place) -> None:
     place.inner = start_inner(env.store, world_prefix(mid), timeout=cfg.group_timeout,
                               backend=env.backend, host=env.host)  # fmt: skip
     session.store.add(groups_key(mid), 1)
-    swap_group.sandbox()
+    ddp = isinstance(session.state.model, torch.nn.parallel.DistributedDataParallel)
+    swap_group.sandbox(own_broadcasts=ddp)
 
 
 def abandon(session: Standing, place: Place, detail: str = "") -> None:

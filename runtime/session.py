@@ -40,7 +40,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal, NoReturn
 
@@ -64,7 +65,7 @@ from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.migration import VOTE_RESTART, no_votes
 from tmd.runtime.reducer import GradientReducer
 from tmd.runtime.session_config import SessionConfig
-from tmd.runtime.state import Stateful, TrainState, is_dtensor
+from tmd.runtime.state import Stateful, TrainState, ddp_warmup_steps, is_dtensor
 from tmd.runtime.telemetry import Telemetry
 from tmd.runtime.timing import PendingSwitch, StepTimes
 
@@ -102,6 +103,8 @@ class Session:
         self.commands = Commands(self)
         self.stopped = False
         self.shadow_steps_done = 0
+        # A DDP joiner must have rebuilt its buckets, as the job has, before it joins.
+        self._shadow_target = max(self.config.shadow_steps, ddp_warmup_steps(model))
         self.timing = StepTimes()
         self.warmup_s: float | None = None
         self.last_downtime: wire.Downtime | None = None
@@ -116,6 +119,8 @@ class Session:
         """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
         self._place = parallel.take_place() if self.wrapped and self._role == "standby" else None
+        if self.wrapped:  # at exit, before the interpreter's teardown (swap_group.release)
+            swap_group.on_release(_letting_go(weakref.ref(self)))
         self._presence: liveness.Presence | None = None  # a worker's, once it is one
         self._failure_seen: BaseException | None = None
         self.store = connect_store(self.env.store, timeout=self.config.store_timeout)
@@ -152,9 +157,9 @@ class Session:
         if change.inner is not None:  # first: where it raises, nothing has changed
             self._retired += swap_group.bind_inner(change.group, change.inner, self.store)
         if self._group is not None:
-            # Kept referenced, never torn down while the job runs: the old group's
-            # last collectives (a failed one, the switch's confirmation) may still
-            # be in flight.
+            # Kept until the first step on the new group has ended (``_ack_downtimes``):
+            # the old group's last collectives (a failed one, the switch's
+            # confirmation) may still be in flight in another member until then.
             self._retired.append(self._group)
             liveness.wake(self.store, self._membership.generation)  # Presence moves on
         self._group = change.group
@@ -266,6 +271,11 @@ class Session:
         finally:
             self._close()
 
+    def _let_go(self) -> None:
+        """At the process's exit: drop every group this session holds."""
+        self._retired.clear()
+        self._group = None
+
     def _close(self) -> None:
         self.telemetry.close()
         self.control.close()
@@ -282,7 +292,7 @@ class Session:
         standby that never joined) the job stopped."""
         self.timing.mark_step_end(time.monotonic())
         while not (self.left or self.stopped):
-            warm = self.shadow_steps_done >= self.config.shadow_steps
+            warm = self.shadow_steps_done >= self._shadow_target
             if self._place is not None and warm:  # a wrapped standby, prepared for a rank
                 place, self._place = self._place, None
                 joined = parallel.finish_join(self, place)
@@ -445,7 +455,10 @@ class Session:
             self._ack_downtimes(start, end)
 
     def _ack_downtimes(self, step_start: float, step_end: float) -> None:
-        # The first step after a switch or failover has ended: its downtime is known.
+        # The first step after a switch or failover has ended: its downtime is known,
+        # and every member has run a collective on the new group, so none is still in
+        # one on the old groups: let them go (their buffers and threads).
+        self._retired.clear()
         median = self.timing.median_step_s()
         pending, self._pending_switch = self._pending_switch, None
         if pending is not None:
@@ -543,6 +556,14 @@ class Session:
         )  # fmt: skip
 
 
+def _letting_go(session: weakref.ref[Session]) -> Callable[[], None]:
+    def let_go() -> None:
+        if (s := session()) is not None:
+            s._let_go()
+
+    return let_go
+
+
 def _wrapped(model: torch.nn.Module, state: TrainState, installed: bool | None = None) -> bool:
     """Is ``model`` wrapped by torch's parallelism on tmd's swappable groups
     (``installed``: ``tmd.runtime.parallel.init()`` ran)? Raises where it is wrapped
@@ -550,8 +571,13 @@ def _wrapped(model: torch.nn.Module, state: TrainState, installed: bool | None =
     if installed is None:
         installed = swap_group.installed()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ConfigError("model", "DistributedDataParallel is not covered yet: pass the "
-                          "module itself, the session averages the gradients")  # fmt: skip
+        if not isinstance(model.process_group, swap_group.SwappableGroup):
+            raise ConfigError("model", "DistributedDataParallel on a process group tmd "
+                              "cannot swap: call tmd.runtime.parallel.init() instead of "
+                              "init_process_group() and build it with init_sync=False, or "
+                              "pass the module itself and let the session average the "
+                              "gradients")  # fmt: skip
+        return True
     sharded = any(is_dtensor(p) for p in state.params())
     if sharded and not installed:
         raise ConfigError("model", "its parameters are DTensors (fully_shard or tensor "
@@ -561,8 +587,9 @@ def _wrapped(model: torch.nn.Module, state: TrainState, installed: bool | None =
         # The session leaves the gradients to the wrapper: a model no wrapper holds
         # would train every replica on its own gradients, silently apart.
         raise ConfigError("model", "tmd.runtime.parallel.init() ran but no parameter is a "
-                          "DTensor: wrap the model (fully_shard, parallelize_module), or "
-                          "leave parallel.init() out and let the session average the "
+                          "DTensor and the model is not DistributedDataParallel: wrap it "
+                          "(fully_shard, parallelize_module, DDP), or leave "
+                          "parallel.init() out and let the session average the "
                           "gradients")  # fmt: skip
     return installed
 

@@ -47,6 +47,7 @@ from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.migration import world_prefix, xfer_prefix
 from tmd.runtime.session_config import SessionConfig
+from tmd.runtime.state import bucket_layout
 from tmd.runtime.timing import PendingSwitch
 from tmd.runtime.transfer import Kind, TransferChannel
 
@@ -161,6 +162,7 @@ def complete_join(
     """Phases 2 and 3 of a join: ack prepared, follow the leaver until the switch, and
     commit on the new group. ``inner``: the builders of the inner groups of a job
     wrapped by torch's parallelism (``tmd.runtime.parallel``)."""
+    layout = bucket_layout(session.state.model)  # its shadow iterations are done
     session.ack(mid, "prepared")
     # The bulk state comes once a switch is requested; until then this waits idle.
     arrived = _follow(session, prepared.channel)
@@ -176,8 +178,13 @@ def complete_join(
             raise MigrationError(f"group {builder.prefix} not built at the switch")
     group = world.result()
     groups = None if inner is None else {name: b.result() for name, b in inner.items()}
-    total = torch.tensor([1], dtype=torch.int64)
+    agree = layout == arrived.buckets
+    total = torch.tensor([int(agree)], dtype=torch.int64)  # 0: every member aborts
     group.allreduce([total]).wait()
+    if not agree:
+        raise MigrationError(
+            f"the joiner's DDP buckets {layout} are not the job's {arrived.buckets}"
+        )
     if int(total.item()) != len(prepared.membership.nodes):
         raise MigrationError("commit on the new group did not see every member")
     # From here on this process is the leaver's rank. If the old members fail to
@@ -235,6 +242,8 @@ class _Arrived:
     """Where the switch's downtime starts for the joiner."""
     transfer_s: float
     median_step_s: float
+    buckets: dict[str, Any] | None = None
+    """The leaver's DDP bucket layout (``state.bucket_layout``), None for any other model."""
 
 
 def _follow(session: Session, channel: TransferChannel) -> _Arrived | None:
@@ -280,4 +289,5 @@ def _follow(session: Session, channel: TransferChannel) -> _Arrived | None:
     state.load_small_state(small)
     session.capture_boundary()  # what to hand on should the first step fail
     transfer_s = time.monotonic() - received + (snapshot_s if cold else 0.0)
-    return _Arrived(started, transfer_s, float(small.get("median_step_s", 0.0)))
+    return _Arrived(started, transfer_s, float(small.get("median_step_s", 0.0)),
+                    small.get("buckets"))  # fmt: skip

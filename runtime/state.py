@@ -217,6 +217,32 @@ class TrainState:
             obj.load_state_dict(state["stateful"][name])
 
 
+def bucket_layout(model: torch.nn.Module) -> dict[str, Any] | None:
+    """How a ``DistributedDataParallel`` model's reducer buckets its gradients: whether
+    it has rebuilt its buckets, and the indices (in ``model.parameters()`` order) of
+    each bucket's parameters; None for any other model. Every member must agree, or
+    their all-reduces mix up gradients (or one broadcasts the new order while another
+    all-reduces): DDP rebuilds its buckets once, in the second forward (the third
+    with ``static_graph``), in the order gradients became ready, and rank 0's order
+    wins; a joiner, alone until the switch, rebuilds its own in its shadow
+    iterations (``ddp_warmup_steps``). Allocates a zero copy of the gradients: read
+    it outside the switch."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    buckets = model.reducer._get_zeros_like_grad_buckets()
+    return {"rebuilt": bool(getattr(model, "_has_rebuilt_buckets", False)),
+            "buckets": [[index[id(p)] for p in b.parameters()] for b in buckets]}  # fmt: skip
+
+
+def ddp_warmup_steps(model: torch.nn.Module) -> int:
+    """The iterations after which a ``DistributedDataParallel`` model has rebuilt its
+    buckets (0 for any other model)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    return 3 if model.static_graph else 2
+
+
 def is_dtensor(value: object) -> bool:
     """Is ``value`` a ``torch.distributed.tensor.DTensor``? (None can exist before
     that module is imported, so a job without one never imports it.)"""

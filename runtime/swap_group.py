@@ -1,6 +1,6 @@
 """Process groups that keep their identity while the machines behind them change: the
 mechanism by which a model wrapped by torch's own parallelism (``fully_shard``, HSDP
-on a 2-D mesh, tensor parallelism; DDP to come) keeps training after a migration
+on a 2-D mesh, tensor parallelism, DDP) keeps training after a migration
 (issue 15; the session drives it through ``tmd.runtime.parallel``). What is tested
 is at the end of this docstring.
 
@@ -21,14 +21,14 @@ so the mesh, every shard's place in it and every DTensor stay as they were.
 ``bind`` gives every group its inner group for a generation, keyed by the group's
 name, which torch gives alike in every member. A joiner's groups have no inner group
 until the switch; ``fully_shard`` and creating the optimizer issue no collective, so
-it can build them before (DDP's constructor does run collectives: not covered yet).
+it can build them before (DDP too, with ``init_sync=False``).
 
 Tested with torch 2.13.0, gloo, CPU, eager: FSDP2 on a 1-D mesh, HSDP on a 2-D mesh
 and tensor parallelism (``parallelize_module``) with ``fully_shard`` on a (dp, tp)
 mesh, a machine replaced at a step boundary, through the session; and, here alone,
-an HSDP rank replaced from its replica. Not yet: NCCL (the shell registers one
-backend for one device, so CPU-side object collectives and barriers would miss),
-DDP, a peer dead in the middle of a collective. Every group must exist before the
+an HSDP rank replaced from its replica; DDP through the session. Not yet: NCCL (the
+shell registers one backend for one device, so CPU-side object collectives and
+barriers would miss), a peer dead in the middle of a collective. Every group must exist before the
 session binds them: a group created later (``DeviceMesh._flatten``,
 ``set_separate_reduce_scatter_group`` after the session opened) is refused. C++ callers reach
 the Python forwarders only through torch's trampolined methods (``allgather``,
@@ -39,7 +39,11 @@ miss. ``install`` refuses a torch that lacks one of ``FORWARDED``.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -106,8 +110,8 @@ class SwappableGroup(dist.ProcessGroup):
                 f"collective {name} on group {self.group_name} before the session bound "
                 "it: the mesh and the model's wrappers must be built without "
                 "communication, as a standby builds them before it joins (tensor "
-                "parallelism: parallelize_module(..., src_data_rank=None), every rank "
-                "holding the same initial weights)"
+                "parallelism: parallelize_module(..., src_data_rank=None); DDP: "
+                "init_sync=False; every rank holding the same initial weights)"
             )
         return getattr(self.inner, name)(*args, **kwargs)
 
@@ -203,7 +207,40 @@ def install(*, rank: int, size: int) -> SwappableGroup:
     dist.init_process_group(BACKEND, store=HashStore(), rank=rank, world_size=size)
     world = dist.group.WORLD
     assert isinstance(world, SwappableGroup)
+    atexit.unregister(release)  # once, however often a test installs a world
+    atexit.register(release)
     return world
+
+
+_releasing: list[Callable[[], None]] = []
+
+
+def on_release(let_go: Callable[[], None]) -> None:
+    """Call ``let_go`` first when ``release`` runs (it must not keep its owner alive)."""
+    _releasing.append(let_go)
+
+
+def release() -> None:
+    """Let go of every group while the interpreter still runs (``install`` registers
+    it with ``atexit``). A gloo group freed later, in the interpreter's teardown, has
+    worker threads that may still drop a work holding tensors: taking the GIL then
+    ends the thread inside C++ and the process aborts ("terminate called without an
+    active exception"; torch's own ``destroy_process_group`` exists for this). A
+    session still alive (one opened at a script's top level) lets go of its own groups
+    first (``on_release``)."""
+    global _bound
+    for let_go in _releasing:
+        with contextlib.suppress(Exception):
+            let_go()
+    _releasing.clear()
+    if installed():
+        with contextlib.suppress(Exception):  # a teardown: nothing left to tell
+            dist.destroy_process_group()
+    for g in _groups:
+        g.inner = None
+    _groups.clear()
+    _bound = False
+    gc.collect()
 
 
 def groups() -> list[SwappableGroup]:
@@ -323,10 +360,15 @@ class Loopback:
     rank's chunk, a reduction leaves its input (every replica agreeing). What a wrapped
     standby's sandboxed shadow iterations run on (real kernels, real allocations, no
     network); the numbers are disposable, the joiner's state is overwritten when the
-    leaver's arrives. Point-to-point receives are refused."""
+    leaver's arrives. Point-to-point receives are refused, and so is a broadcast from
+    another rank unless ``own_broadcasts`` (a DDP model's standby: DDP fills the
+    buffers of its broadcasts, of its bucket order and of its buffers, on every rank,
+    so this rank's own are the answer); an object broadcast (``broadcast_object_list``,
+    whose receivers' buffers hold nothing yet) is refused even then."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, *, own_broadcasts: bool = False) -> None:
         self._rank, self._size = rank, size
+        self._own_broadcasts = own_broadcasts
 
     def rank(self) -> int:
         return self._rank
@@ -382,7 +424,11 @@ class Loopback:
         """From this rank: its tensors are the answer. From another there is none to
         be had without the job (an object broadcast would read garbage): refused."""
         rank = getattr(root, "rootRank", root)
-        if rank is not None and rank != self._rank:
+        if (
+            rank is not None
+            and rank != self._rank
+            and (not self._own_broadcasts or _in_object_collective())
+        ):
             raise MigrationError(
                 f"a sandboxed shadow iteration broadcast from rank {rank}: a standby's "
                 "shadow steps can only run collectives its own tensors answer"
@@ -476,7 +522,23 @@ class Loopback:
     recv_anysource = recv
 
 
-def sandbox() -> None:
+def _in_object_collective() -> bool:
+    """Is a ``torch.distributed`` object collective (``broadcast_object_list`` and
+    the like) among this call's callers?"""
+    frame: Any = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name.endswith("_object_list") and code.co_filename.endswith(
+            "distributed_c10d.py"
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def sandbox(*, own_broadcasts: bool = False) -> None:
     """Run every group on a ``Loopback`` of its rank and size (a wrapped standby's
     shadow iterations), until the session binds the real inner groups."""
-    swap_all(lambda g: Loopback(g.rank(), g.size()))
+    swap_all(lambda g: Loopback(g.rank(), g.size(), own_broadcasts=own_broadcasts))

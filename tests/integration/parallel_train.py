@@ -4,7 +4,8 @@
 - ``fsdp``: ``fully_shard`` on a 1-D mesh of every rank;
 - ``hsdp``: ``fully_shard`` on a 2-D mesh (replicate across machines, shard within);
 - ``tp``: tensor parallelism within a machine (the first layer column-wise, the last
-  row-wise) on the ``tp`` dimension of a (dp, tp) mesh, ``fully_shard`` on ``dp``.
+  row-wise) on the ``tp`` dimension of a (dp, tp) mesh, ``fully_shard`` on ``dp``;
+- ``ddp``: ``DistributedDataParallel`` on the default world.
 
 Every process trains an unsharded copy of the model beside it on the whole global
 batch of each step (the reference); a joiner first replays the steps the job made
@@ -59,8 +60,10 @@ def build() -> nn.Sequential:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def wrap(layout: str, model: nn.Module, world: int, per_node: int) -> tuple[int, int]:
-    """Wrap ``model`` for ``layout``; this rank's data-parallel rank and size."""
+def wrap(layout: str, model: nn.Module, world: int, per_node: int) -> tuple[nn.Module, int, int]:
+    """Wrap ``model`` for ``layout``; the model to train, this rank's data-parallel
+    rank and size."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -69,24 +72,27 @@ def wrap(layout: str, model: nn.Module, world: int, per_node: int) -> tuple[int,
         parallelize_module,
     )
 
+    if layout == "ddp":  # no collective at construction: a joiner builds it unbound
+        ddp = nn.parallel.DistributedDataParallel(model, init_sync=False)
+        return ddp, dist.get_rank(), world
     if layout == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
         fully_shard(model[0], mesh=mesh)  # type: ignore[index]
         fully_shard(model, mesh=mesh)
-        return mesh.get_local_rank(), world
+        return model, mesh.get_local_rank(), world
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (world // per_node, per_node),
                                 mesh_dim_names=("replicate", "shard"))  # fmt: skip
         fully_shard(model[0], mesh=mesh)  # type: ignore[index]
         fully_shard(model, mesh=mesh)
-        return mesh.get_rank(), world  # every rank takes its own batch
+        return model, mesh.get_rank(), world  # every rank takes its own batch
     mesh = init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("dp", "tp"))
     # Every rank built the same weights: each takes its shard, no scatter (a joiner's
     # groups carry no collective before the switch).
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     parallelize_module(model, mesh["tp"], plan, src_data_rank=None)  # type: ignore[dict-item]
     fully_shard(model, mesh=mesh["dp"])
-    return mesh["dp"].get_local_rank(), world // per_node
+    return model, mesh["dp"].get_local_rank(), world // per_node
 
 
 def train(argv: list[str]) -> None:
@@ -94,7 +100,7 @@ def train(argv: list[str]) -> None:
     from tmd.runtime.env import RuntimeEnv
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=("fsdp", "hsdp", "tp"), required=True)
+    parser.add_argument("--layout", choices=("ddp", "fsdp", "hsdp", "tp"), required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hold", default="", help="while this file exists, steps are slow")
@@ -116,8 +122,8 @@ def train(argv: list[str]) -> None:
                            checkpoint_every=args.checkpoint_every)  # fmt: skip
     doomed = env.role == "worker" and env.rank in args.kill_rank and env.restart_count == 0
     rank = parallel.init(config=config, env=env)
-    model, reference = build(), build()
-    dp_rank, dp_size = wrap(args.layout, model, env.world_size, env.local_world_size)
+    model, dp_rank, dp_size = wrap(args.layout, build(), env.world_size, env.local_world_size)
+    reference = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
@@ -163,7 +169,8 @@ def train(argv: list[str]) -> None:
         name = f"losses-{env.node}-{env.local_rank}-run{env.restart_count}.json"
         (out / name).write_text(json.dumps(losses))
         if s.role == "worker" and not s.left:
-            whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            whole = {k.removeprefix("module."): getattr(v, "full_tensor", lambda v=v: v)()
+                     for k, v in model.state_dict().items()}  # fmt: skip
             diff = max(float((whole[k] - v).abs().max()) for k, v in reference.state_dict().items())
             result = {"rank": s.rank, "node": env.node, "step": s.state.step, "max_diff": diff,
                       "init_rank": rank, "run": env.restart_count, "shadow_steps": shadows,

@@ -1,9 +1,9 @@
 """Jobs wrapped by torch's own parallelism (``tmd.runtime.parallel``): a machine of two
-ranks of an FSDP2, an HSDP and a tensor-parallel job migrates live to a standby
-machine through the real session and ``JobController``; a lost machine of an FSDP2
-job (no replica of its shards) rolls the job back to its sharded checkpoint. Every
-rank of the job ends where an unsharded copy of the model, trained on the same
-batches, does.
+ranks of a DDP, an FSDP2 and a tensor-parallel job migrates live to a standby
+machine through the real session and ``JobController`` (HSDP's live migration is
+``test_bench_downtime``'s); a lost machine of an FSDP2 job (no replica of its
+shards) rolls the job back to its sharded checkpoint. Every rank of the job ends
+where an unsharded copy of the model, trained on the same batches, does.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def jobs() -> Iterator[list[object]]:
         job.terminate()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])
 def test_a_machine_of_a_wrapped_job_migrates_live(
     tmp_path: Path, jobs: list[object], layout: str
 ) -> None:

@@ -122,3 +122,18 @@ def test_a_model_nobody_would_average_or_tmd_could_not_move_is_refused_at_start(
     # parallel.init() ran, but no wrapper holds the model: nobody would average.
     with pytest.raises(ConfigError, match="no parameter is a DTensor"):
         _wrapped(model, state, installed=True)
+    # DDP: on a group tmd cannot swap it is refused; on one it can, DDP reduces.
+    import torch.distributed as dist
+
+    from tmd.runtime import swap_group
+
+    fixed = swap_group.shell(dist.ProcessGroupGloo(dist.HashStore(), 0, 1), rank=0, size=1,
+                             store=dist.HashStore())  # fmt: skip
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=fixed, init_sync=False)
+    with pytest.raises(ConfigError, match="DistributedDataParallel on a process group"):
+        _wrapped(ddp, TrainState(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)))
+    swappable = swap_group.SwappableGroup(0, 1)
+    swappable.swap(swap_group.Loopback(0, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=swappable,
+                                                    init_sync=False)  # fmt: skip
+    assert _wrapped(ddp, TrainState(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))) is True

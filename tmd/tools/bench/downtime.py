@@ -51,7 +51,7 @@ import msgspec
 from tmd.tools.bench import Progress, measure
 
 JOB = "bench"
-LAYOUTS = ("fsdp", "hsdp", "tp")
+LAYOUTS = ("fsdp", "hsdp", "tp", "ddp")
 """``--parallel``: the job wrapped by torch's parallelism (``tmd.runtime.parallel``):
 ``fully_shard`` on a 1-D mesh; HSDP (replicate across machines, shard within); the
 MLPs tensor-parallel within a machine, ``fully_shard`` across machines."""
@@ -161,9 +161,11 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _wrap(model: Any, layout: str, world: int, per_node: int) -> tuple[int, int]:
-    """Wrap the GPT for ``layout``; this rank's data-parallel rank and size (the ranks
-    of a tensor-parallel group take the same batch)."""
+def _wrap(model: Any, layout: str, world: int, per_node: int) -> tuple[Any, int, int]:
+    """Wrap the GPT for ``layout``; the model to train, this rank's data-parallel rank
+    and size (the ranks of a tensor-parallel group take the same batch)."""
+    import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -172,6 +174,9 @@ def _wrap(model: Any, layout: str, world: int, per_node: int) -> tuple[int, int]
         parallelize_module,
     )
 
+    if layout == "ddp":  # every rank built the same weights: no collective to start
+        ddp = torch.nn.parallel.DistributedDataParallel(model, init_sync=False)
+        return ddp, dist.get_rank(), world
     if layout == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
     elif layout == "hsdp":
@@ -188,8 +193,8 @@ def _wrap(model: Any, layout: str, world: int, per_node: int) -> tuple[int, int]
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if layout == "tp":
-        return tp["dp"].get_local_rank(), world // per_node
-    return mesh.get_rank(), world
+        return model, tp["dp"].get_local_rank(), world // per_node
+    return model, mesh.get_rank(), world
 
 
 def worker(argv: list[str]) -> int:
@@ -216,7 +221,8 @@ def worker(argv: list[str]) -> int:
     model = _gpt(args.d, args.layers, 8, args.ctx)
     dp_rank, dp_size = env.rank, env.world_size
     if args.parallel:
-        dp_rank, dp_size = _wrap(model, args.parallel, env.world_size, env.local_world_size)
+        model, dp_rank, dp_size = _wrap(model, args.parallel, env.world_size,
+                                        env.local_world_size)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     torch.manual_seed(1 + env.rank)
     window = args.ctx + 1
