@@ -246,7 +246,7 @@ class Migration:
         if self.is_leaver:
             if self.channel is None:
                 self._open_channel(state, membership)
-            elif self.layout is not None and not self.layout["rebuilt"]:
+            elif self.layout is not None and not self.layout["final"]:
                 # Read before the job's reducer rebuilt its buckets (a migration in
                 # the job's first steps): read again, as it is now.
                 self.layout = bucket_layout(state.model)

@@ -99,7 +99,11 @@ class Session:
         self._rank = self.env.rank
         self._group: Group | None = None
         self._membership = Membership(0, ())
-        self._retired: list[Group] = []
+        self._retired: list[Group] = []  # a switch's old groups, until it is done
+        self._failed: list[Group] = []
+        """Groups left by a failover, kept for the job's life: the failed step's
+        abandoned collectives may still be queued on them, and freeing a gloo group
+        waits for its queue (until the group's timeout)."""
         self.commands = Commands(self)
         self.stopped = False
         self.shadow_steps_done = 0
@@ -157,10 +161,10 @@ class Session:
         if change.inner is not None:  # first: where it raises, nothing has changed
             self._retired += swap_group.bind_inner(change.group, change.inner, self.store)
         if self._group is not None:
-            # Kept until the first step on the new group has ended (``_ack_downtimes``):
-            # the old group's last collectives (a failed one, the switch's
-            # confirmation) may still be in flight in another member until then.
-            self._retired.append(self._group)
+            # A switch's old group is kept until the first step on the new group has
+            # ended (``_ack_downtimes``): its confirmation may still be in flight in
+            # another member until then.
+            (self._retired if change.switch is not None else self._failed).append(self._group)
             liveness.wake(self.store, self._membership.generation)  # Presence moves on
         self._group = change.group
         self._membership = change.membership
@@ -273,7 +277,14 @@ class Session:
 
     def _let_go(self) -> None:
         """At the process's exit: drop every group this session holds."""
+        if (mig := self.commands.current) is not None:  # its groups and channel
+            self.commands.current = None
+            mig.close(tell_joiner=False)  # a joiner learns it from the closed channel
+        if self._place is not None:  # a wrapped standby's builds
+            self._place.close()
+            self._place = None
         self._retired.clear()
+        self._failed.clear()
         self._group = None
 
     def _close(self) -> None:
@@ -455,13 +466,13 @@ class Session:
             self._ack_downtimes(start, end)
 
     def _ack_downtimes(self, step_start: float, step_end: float) -> None:
-        # The first step after a switch or failover has ended: its downtime is known,
-        # and every member has run a collective on the new group, so none is still in
-        # one on the old groups: let them go (their buffers and threads).
-        self._retired.clear()
+        # The first step after a switch or failover has ended: its downtime is known.
         median = self.timing.median_step_s()
         pending, self._pending_switch = self._pending_switch, None
         if pending is not None:
+            # Every member ran a collective on the new group, so none is still in
+            # the switch's confirmation on the old ones: let them go (buffers, threads).
+            self._retired.clear()
             self.last_downtime = pending.downtime(step_end, median)
             self.commands.measured(pending.migration_id, self.last_downtime)
         failovers, self._failovers = self._failovers, []

@@ -227,11 +227,15 @@ def bucket_layout(model: torch.nn.Module) -> dict[str, Any] | None:
     wins; a joiner, alone until the switch, rebuilds its own in its shadow
     iterations (``ddp_warmup_steps``). Allocates a zero copy of the gradients: read
     it outside the switch."""
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    reducer = getattr(model, "reducer", None)  # none: every all-reduce delayed
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or reducer is None:
         return None
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    buckets = model.reducer._get_zeros_like_grad_buckets()
-    return {"rebuilt": bool(getattr(model, "_has_rebuilt_buckets", False)),
+    buckets = reducer._get_zeros_like_grad_buckets()
+    rebuilt = bool(getattr(model, "_has_rebuilt_buckets", False))
+    # With unused parameters searched for and no static graph it never rebuilds.
+    final = rebuilt or (model.find_unused_parameters and not model.static_graph)
+    return {"rebuilt": rebuilt, "final": final,
             "buckets": [[index[id(p)] for p in b.parameters()] for b in buckets]}  # fmt: skip
 
 

@@ -66,11 +66,11 @@ def test_a_ddp_standby_answers_its_own_broadcasts_and_its_bucket_layout_is_read(
     )
     assert bucket_layout(model) is None and ddp_warmup_steps(model) == 0  # not DDP
     # At construction: one first bucket.
-    assert bucket_layout(ddp) == {"rebuilt": False, "buckets": [[0, 1, 2, 3]]}
+    assert bucket_layout(ddp) == {"rebuilt": False, "final": False, "buckets": [[0, 1, 2, 3]]}
     for _ in range(ddp_warmup_steps(ddp)):  # the second forward rebuilds the buckets
         ddp(torch.randn(3, 4)).sum().backward()
     # The last layer's gradients came first.
-    assert bucket_layout(ddp) == {"rebuilt": True, "buckets": [[3, 2, 1], [0]]}
+    assert bucket_layout(ddp) == {"rebuilt": True, "final": True, "buckets": [[3, 2, 1], [0]]}
 
 
 def test_a_ddp_standby_still_refuses_an_object_broadcast() -> None:

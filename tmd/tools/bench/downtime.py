@@ -54,7 +54,8 @@ JOB = "bench"
 LAYOUTS = ("fsdp", "hsdp", "tp", "ddp")
 """``--parallel``: the job wrapped by torch's parallelism (``tmd.runtime.parallel``):
 ``fully_shard`` on a 1-D mesh; HSDP (replicate across machines, shard within); the
-MLPs tensor-parallel within a machine, ``fully_shard`` across machines."""
+MLPs tensor-parallel within a machine, ``fully_shard`` across machines;
+``DistributedDataParallel`` (``init_sync=False``) on the default world."""
 
 # -- the training script ---------------------------------------------------------------
 
