@@ -19,6 +19,9 @@ the first step after it (latest rank at both points), minus one median step; the
 switch, transfer or restart runs inside that window (``tmd.tools.bench.measure``).
 Ratios divide by the larger of the downtime and the step noise of the unmigrated
 run, so a downtime lost in the noise cannot inflate them. Prints one JSON object.
+The "machines" of a run share this host's cores: a leaver, which on a cluster has
+its machine to itself, exits as soon as it has written its record, so that its
+teardown does not slow the stayers' first steps after the switch.
 
 Those runs use machines of one process. With ``--nproc-per-node K`` (K > 1) the
 object also holds ``machine``: the same job on machines of K ranks (its own
@@ -295,6 +298,13 @@ def worker(argv: list[str]) -> int:
     record["t_exit"] = time.time()
     # A machine's K processes share a node name; the local rank tells them apart.
     (args.out / f"{env.node}-{env.local_rank}.json").write_text(json.dumps(record))
+    if record.get("left"):
+        # On a cluster the leaver is on its own machine; here every machine shares
+        # the host's cores, and its interpreter's teardown (seconds of CPU for a
+        # sharded model) would be charged to the stayers' first steps. Done: go.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
