@@ -43,6 +43,20 @@ job is restarted and every rank resumes from the latest checkpoint
 The dead ranks' RNG streams are lost with them; each joiner continues with its
 donor's.
 
+A job wrapped by torch's parallelism (``tmd.runtime.parallel``: DDP, FSDP2, HSDP)
+reduces its gradients inside the user's backward, so the survivors cannot re-run
+the reduction alone. Their collectives of step ``t`` go through
+``swap_group.Guard``, which answers them locally once one failed (or a member
+reported a failure: ``report_failure``, ``Presence``), so the user's backward
+ends; at ``step`` they run the same protocol, each lost rank's donor a survivor
+holding what it held (``Session.replicas``: any survivor of a DDP job, the same
+shard in another replica group of an HSDP one; none in FSDP2 on one mesh dimension
+or tensor parallelism, which roll back), every group's next inner group built
+along with the world (``swap_group.build_inner``), and every survivor undoes step
+``t`` (gradients dropped, data position and RNG streams put back as ``t`` found
+them) and runs it again with the standby slots, which learnt their ranks in
+``parallel.init``.
+
 Both sides end in a ``Reconfiguration`` (the survivors' in ``Recovery.change``) that
 the session applies; nothing here writes the session's group or membership.
 """
@@ -59,12 +73,14 @@ from torch._C._distributed_c10d import Store
 
 from tmd import wire
 from tmd.errors import MigrationError, RestartRequired
+from tmd.runtime import swap_group
 from tmd.runtime.checkpoint import latest_step
 from tmd.runtime.control import put, standbys
-from tmd.runtime.env import slot_name
-from tmd.runtime.group import make_group
+from tmd.runtime.env import RuntimeEnv, slot_name
+from tmd.runtime.group import Group, make_group
 from tmd.runtime.liveness import fail_prefix, present, wake
 from tmd.runtime.membership import Membership, Reconfiguration
+from tmd.runtime.state import bucket_layout
 from tmd.runtime.transfer import Kind, TransferChannel
 
 if TYPE_CHECKING:
@@ -124,6 +140,14 @@ def failure_reported(store: Store, generation: int) -> bool:
     return bool(store.check([f"{fail_prefix(generation)}/alive"]))
 
 
+def report_failure(store: Store, generation: int) -> None:
+    """Tell every member of ``generation`` that a collective failed here, before this
+    process registers as a survivor (a wrapped job's rank finishes its step first):
+    their ``Presence`` threads answer, and their guards stop waiting."""
+    store.add(f"{fail_prefix(generation)}/alive", 0)  # the key exists: a failure
+    wake(store, generation)
+
+
 def recover(session: Session, error: BaseException, *, collective_started: float) -> Recovery:
     """Survivor side, with no planned migration left open. Returns this survivor's
     part, its place in the new full-size group included (``Recovery.change``); where
@@ -148,14 +172,15 @@ def recover(session: Session, error: BaseException, *, collective_started: float
 
 def wrapped_failure(session: Session, error: BaseException) -> None:
     """A worker of a job wrapped by torch's parallelism (``tmd.runtime.parallel``)
-    whose step raised ``error``, most often inside the wrapper's own collectives. If
-    the survivors agree that members were lost, every one of them acks ``failed`` and
-    raises ``RestartRequired``: in-place failover of a wrapped job is not built yet,
-    the job rolls back to its checkpoint. Returns where nobody was lost (the error is
-    not a lost member's) or this process was counted lost itself."""
+    whose loop raised ``error`` outside the guarded part of a step (a checkpoint's
+    collectives, the script's own between steps): no step to undo. If the survivors
+    agree that members were lost, every one of them acks ``failed`` and raises
+    ``RestartRequired``: the job rolls back to its checkpoint. Returns where nobody
+    was lost (the error is not a lost member's) or this process was counted lost
+    itself."""
     gen = session.membership.generation
     prefix, migration_id = fail_prefix(gen), f"failover-g{gen}"
-    not_built = "in-place failover of a job wrapped by torch's parallelism is not built yet"
+    not_built = "a member lost outside a step of a wrapped job is not failed over in place"
     try:
         decision = _agree(session, prefix)
     except Replaced as exc:  # its machine lost a rank: the restart goes on without it
@@ -278,6 +303,12 @@ def _make_plan(session: Session, decision: Decision, *, prefix: str) -> dict[str
     lost: list[str] = decision["lost"]
     sizes = {node: len(membership.ranks_of(node)) for node in lost}
     members = set(membership.nodes)
+    plan: dict[str, Any]
+    donors = _donors(session, decision)
+    if isinstance(donors, str):
+        plan = {"reason": donors}
+        put(session.store, f"{prefix}/plan", json.dumps(plan).encode())
+        return plan
     wait_s = session.config.standby_wait.total_seconds()
     deadline = time.monotonic() + wait_s
     while True:  # a standby still warming up may become ready in time
@@ -285,23 +316,21 @@ def _make_plan(session: Session, decision: Decision, *, prefix: str) -> dict[str
         if swaps is not None or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
-    plan: dict[str, Any]
     if swaps is None:
         want = ", ".join(f"{n} ({k} slot{'s' if k > 1 else ''})" for n, k in sizes.items())
         plan = {"reason": f"no ready standby machine within {wait_s:g} s to replace {want}"}
         put(session.store, f"{prefix}/plan", json.dumps(plan).encode())
         return plan
-    donors = sorted(decision["alive"])
     dead = [r for node in lost for r in membership.ranks_of(node)]
-    ranks = [  # [rank, donor, joiner, local rank]: the survivors donate in turn
-        [rank, donors[i % len(donors)], swaps[membership.nodes[rank]], membership.local_rank(rank)]
-        for i, rank in enumerate(dead)
+    ranks: list[list[Any]] = [  # [rank, donor, joiner, local rank]
+        [rank, donors[rank], swaps[membership.nodes[rank]], membership.local_rank(rank)]
+        for rank in dead
     ]
     plan = {
         "id": f"failover-g{membership.generation}",
         "swaps": swaps,
         "ranks": ranks,
-        "reporter": min(donors),
+        "reporter": min(decision["alive"]),
         "prefix": prefix,
         "world_size": session.world_size,
     }
@@ -310,6 +339,30 @@ def _make_plan(session: Session, decision: Decision, *, prefix: str) -> dict[str
     for _, _, joiner, local_rank in ranks:
         put(session.store, plan_key(slot_name(joiner, local_rank)), data)
     return plan
+
+
+def _donors(session: Session, decision: Decision) -> dict[int, int] | str:
+    """Each lost rank's donor: a survivor holding what it held (``Session.replicas``),
+    the survivors taking turns; or why there is none (the job rolls back)."""
+    membership = session.membership
+    alive = sorted(decision["alive"])
+    layout = bucket_layout(session.state.model)
+    if layout is not None and not layout["final"]:
+        return ("a DDP job failed before its reducer rebuilt its buckets (its first steps): "
+                "a joiner, warmed alone, would bucket its gradients otherwise")  # fmt: skip
+    load = dict.fromkeys(alive, 0)
+    donors: dict[int, int] = {}
+    for node in decision["lost"]:
+        for rank in membership.ranks_of(node):
+            candidates = [r for r in alive if r in session.replicas[rank]]
+            if not candidates:
+                return (f"lost {', '.join(decision['lost'])}, and no survivor holds the "
+                        f"shards of its rank {rank} (no replica of them: FSDP2 on one mesh "
+                        "dimension, tensor parallelism)")  # fmt: skip
+            donor = min(candidates, key=lambda r: (load[r], r))
+            load[donor] += 1
+            donors[rank] = donor
+    return donors
 
 
 def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: float) -> Recovery:
@@ -336,15 +389,29 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
         channel.send(Kind.SWITCH, session.state.step, _small_for(session, rank))
         channel.flush()
     sent = time.monotonic()
-    group = make_group(store, f"{prefix}/world", rank=me, size=session.world_size,
-                       timeout=cfg.group_timeout, backend=session.env.backend,
-                       host=session.env.host)  # fmt: skip
+    group, inner = _build(session, prefix, me, session.world_size)
     built = time.monotonic()
     return Recovery(
         id=plan["id"], swaps=dict(plan["swaps"]), reports=me == plan["reporter"],
         detect_s=detect_s, transfer_s=sent - started, build_s=built - sent,
-        change=Reconfiguration(group, after, rank=me),
+        change=Reconfiguration(group, after, rank=me, inner=inner),
     )  # fmt: skip
+
+
+def _build(
+    session: Session, prefix: str, rank: int, size: int
+) -> tuple[Group, dict[str, Group] | None]:
+    """The next generation's group and, in a wrapped job, the next inner group of each
+    of its groups (``swap_group``), in one order in every member."""
+    cfg, env = session.config, session.env
+    group = make_group(session.store, f"{prefix}/world", rank=rank, size=size,
+                       timeout=cfg.group_timeout, backend=env.backend,
+                       host=env.host)  # fmt: skip
+    if not session.wrapped:
+        return group, None
+    inner = swap_group.build_inner(session.store, prefix, timeout=cfg.group_timeout,
+                                   backend=env.backend, host=env.host)  # fmt: skip
+    return group, inner
 
 
 def give_up(session: Session, migration_id: str, reason: str, error: BaseException) -> NoReturn:
@@ -361,6 +428,9 @@ def _small_for(session: Session, rank: int) -> dict[str, Any]:
     """The donor's small state as the dead rank had it at the start of this step:
     the data position captured at the last boundary, re-ranked."""
     small = session.state.small_state()
+    if session.boundary_rng is not None:  # a wrapped job's survivors redo the step
+        small["rng"] = session.boundary_rng
+    small["buckets"] = bucket_layout(session.state.model)
     stateful = {}
     for name, state in session.boundary_stateful.items():
         state = dict(state)
@@ -372,14 +442,20 @@ def _small_for(session: Session, rank: int) -> dict[str, Any]:
     return small
 
 
-def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
-    """Standby slot side: receive a donor's state; returns the dead rank's place."""
-    cfg, env, store = session.config, session.env, session.store
-    prefix = plan["prefix"]
+def failover_rank(plan: dict[str, Any], env: RuntimeEnv) -> int:
+    """The lost rank a failover plan gives this standby slot."""
     mine = [r for r, _, node, lr in plan["ranks"] if node == env.node and lr == env.local_rank]
     if not mine:
-        raise MigrationError(f"the failover plan {plan['id']} has no rank for {env.slot}")
-    pair = make_group(store, f"{prefix}/xfer/{mine[0]}", rank=1, size=2,
+        raise MigrationError(f"the failover plan {plan.get('id')} has no rank for {env.slot}")
+    return int(mine[0])
+
+
+def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
+    """Standby slot side: receive a donor's state; returns the dead rank's place (in a
+    wrapped job, with the next inner groups: ``tmd.runtime.parallel``)."""
+    cfg, env, store = session.config, session.env, session.store
+    prefix = plan["prefix"]
+    pair = make_group(store, f"{prefix}/xfer/{failover_rank(plan, env)}", rank=1, size=2,
                       timeout=cfg.group_timeout, backend="gloo", host=env.host)  # fmt: skip
     channel = TransferChannel(pair, is_leaver=False)
     _, meta = channel.recv()
@@ -388,9 +464,12 @@ def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
     session.state.load_small_state(small)
     session.capture_boundary()  # what to hand on should this step fail too
     rank = int(meta["rank"])
-    group = make_group(store, f"{prefix}/world", rank=rank, size=int(plan["world_size"]),
-                       timeout=cfg.group_timeout, backend=env.backend, host=env.host)  # fmt: skip
+    layout = bucket_layout(session.state.model)  # its shadow iterations are done
+    if layout != small.get("buckets"):
+        raise MigrationError(f"this standby's DDP buckets {layout} are not the job's "
+                             f"{small.get('buckets')}")  # fmt: skip
+    group, inner = _build(session, prefix, rank, int(plan["world_size"]))
     membership = Membership(int(meta["generation"]), tuple(meta["nodes"]),
                             tuple(meta.get("local_ranks", ())))  # fmt: skip
-    return Reconfiguration(group, membership, rank=rank,
+    return Reconfiguration(group, membership, rank=rank, inner=inner,
                            median_step_s=float(small.get("median_step_s", 0.0)))  # fmt: skip

@@ -67,18 +67,22 @@ def present(store: Store, generation: int) -> set[int]:
 class Presence:
     """A worker's thread that answers, for its current generation and rank (``where``),
     that this process is alive once a failure of that generation is reported (a member
-    set the wake key and ``failed(generation)`` holds). A wake without a failure
-    means the generation moved on; it then follows the new one."""
+    set the wake key and ``failed(generation)`` holds), then calls ``on_failure``
+    with the generation (a wrapped job's guard stops waiting on its collectives). A
+    wake without a failure means the generation moved on; it then follows the new
+    one."""
 
     def __init__(
         self,
         store: StoreAddress,
         where: Callable[[], tuple[int, int]],
         failed: Callable[[Store, int], bool],
+        on_failure: Callable[[int], None] | None = None,
     ) -> None:
         self._store = connect_store(store, timeout=timedelta(days=1))
         self._where = where
         self._failed = failed
+        self._on_failure = on_failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tmd-presence", daemon=True)
         self._thread.start()
@@ -93,6 +97,8 @@ class Presence:
                 while not self._stop.is_set() and self._where()[0] == generation:
                     if self._failed(self._store, generation):
                         self._store.append(present_key(generation), f"{rank},")  # type: ignore[attr-defined]
+                        if self._on_failure is not None:
+                            self._on_failure(generation)
                         break
                     self._stop.wait(0.5)
             except RuntimeError:

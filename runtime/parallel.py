@@ -39,19 +39,27 @@ is installed at rank 0 so the script can go on, and the loop runs no step.
 In the session, a wrapped model (``Session.wrapped``) has no gradient reducer (the
 wrapper reduced the gradients during backward); the step's migration votes go
 through one small all-reduce on tmd's own group, and the update (clipping, optimizer,
-scheduler) runs as for data parallelism. Not covered yet, each refused with an error
-that says so: in-place failover (a member lost mid-step makes every survivor raise
-``RestartRequired``: the job rolls back to its checkpoint, which is sharded, written
-collectively with ``torch.distributed.checkpoint``), NCCL (see ``swap_group``). A
-DDP joiner commits only where its reducer buckets the gradients as the job's does
-(``state.bucket_layout``). Tested with torch 2.13.0 on gloo and the CPU.
+scheduler) runs as for data parallelism. A DDP joiner commits only where its
+reducer buckets the gradients as the job's does (``state.bucket_layout``).
+
+A machine lost mid-step is replaced in place where its state has replicas (DDP,
+HSDP; ``tmd.runtime.failover``): the survivors' collectives of that step are
+answered locally once one failed (``swap_group.Guard``), ``step`` replaces the lost
+ranks and returns False, and the loop runs the step again. A standby waiting in
+``init`` is named by the failover plan instead of a ``Prepare``: it returns the lost
+rank of its slot, and its session takes that rank's state from its donor (after
+sandboxed iterations that rebuild a DDP model's buckets). Without replicas (FSDP2
+on one mesh dimension, tensor parallelism) the job rolls back to its checkpoint,
+which is sharded, written collectively with ``torch.distributed.checkpoint``. Not
+covered yet: NCCL (see ``swap_group``). Tested with torch 2.13.0 on gloo and the CPU.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C._distributed_c10d import Store
@@ -62,6 +70,7 @@ from tmd.runtime import swap_group
 from tmd.runtime.commands import AckKind
 from tmd.runtime.control import ControlChannel, Sink, open_control
 from tmd.runtime.env import RuntimeEnv
+from tmd.runtime.failover import failover_rank, plan_key, take_over
 from tmd.runtime.group import GroupBuilder, connect_store
 from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Reconfiguration
@@ -93,9 +102,14 @@ class Place:
     prepared: Prepared | None = None
     heartbeat: Heartbeat | None = None
     inner: dict[str, GroupBuilder] | None = None
+    failover: dict[str, Any] | None = None
+    """Instead of a migration: the failover plan that gave this standby a lost rank."""
+    failover_rank: int | None = None
 
     @property
     def rank(self) -> int | None:
+        if self.failover is not None:
+            return self.failover_rank
         return None if self.prepared is None else self.prepared.rank
 
     def close(self) -> None:
@@ -170,7 +184,13 @@ class _Waiting:
         announce(self, "ready")
         poll = min(self.config.control_poll.total_seconds(), 0.01)
         place = Place(self._control, self.sink, self.warmup_s, self.seen)
+        plan = plan_key(self.env.slot)
         while not self._control.stopped():
+            if self.store.check([plan]):  # a machine was lost: take its rank of this slot
+                place.failover = json.loads(bytes(self.store.get(plan)))
+                place.failover_rank = failover_rank(place.failover, self.env)
+                announce(self, "joining")
+                return place
             for message in self._control.poll():
                 if not isinstance(message, wire.Prepare) or message.joiner != self.env.node:
                     continue
@@ -206,7 +226,10 @@ def finish_join(session: Session, place: Place) -> Reconfiguration | None:
     """The rest of a wrapped standby's join, in its session, its model now built at
     the rank ``init`` returned: build the inner groups with the stayers (they start
     once they see the store key), then follow the leaver and commit
-    (``standby.complete_join``). None: the migration failed or was aborted."""
+    (``standby.complete_join``); or, named by a failover plan, take the lost rank's
+    state from its donor. None: the migration or takeover failed, or was aborted."""
+    if place.failover is not None:
+        return _take_over(session, place, place.failover)
     assert place.prepare is not None and place.prepared is not None
     assert place.inner is not None
     mid = place.prepare.migration_id
@@ -221,6 +244,27 @@ def finish_join(session: Session, place: Place) -> Reconfiguration | None:
     else:
         place.close()
     return joined
+
+
+def _take_over(session: Session, place: Place, plan: dict[str, Any]) -> Reconfiguration | None:
+    """A wrapped standby named by a failover plan, its model built at the lost rank and
+    its shadow iterations done: the donor's state, then the next generation's groups
+    (``failover.take_over``). None: it could not."""
+    try:
+        joined = take_over(session, plan)
+    except (MigrationError, RuntimeError, ValueError) as exc:
+        session.ack(str(plan.get("id", "")), "failed", detail=str(exc))
+        abandon(session, place)
+        return None
+    place.close()
+    return joined
+
+
+def start_failover(session: Session) -> None:
+    """A wrapped standby's session opened for a failover: a DDP model's shadow
+    iterations (its buckets rebuilt as the job's were) run on ``Loopback`` groups."""
+    ddp = isinstance(session.state.model, torch.nn.parallel.DistributedDataParallel)
+    swap_group.sandbox(own_broadcasts=ddp)
 
 
 def start_groups(session: Session, place: Place) -> None:

@@ -109,7 +109,7 @@ class GradientReducer:
         """
         try:
             for work in works:
-                _wait(work, interrupted, poll)
+                wait_interruptible(work, interrupted, poll)
         except RuntimeError:
             self._renew()
             raise
@@ -138,7 +138,13 @@ class PeerLost(RuntimeError):
     """Another member reported a failure while this rank waited on a collective."""
 
 
-def _wait(work: dist.Work, interrupted: Callable[[], bool] | None, poll: timedelta) -> None:
+def wait_interruptible(
+    work: dist.Work,
+    interrupted: Callable[[], bool] | None,
+    poll: timedelta = timedelta(milliseconds=50),
+) -> None:
+    """Wait for ``work``; past each ``poll``, ask ``interrupted`` (did another member
+    report a failure?) and raise ``PeerLost`` if so."""
     if interrupted is None:
         work.wait()
         return

@@ -23,10 +23,16 @@ the job then restarts from its latest checkpoint (``checkpoint_dir``,
 ``tmd.runtime.checkpoint``), which every worker loads when the session opens.
 
 A model wrapped by torch's own parallelism (``fully_shard``, HSDP, tensor
-parallelism on a mesh) is trained the same way, once ``tmd.runtime.parallel.init()``
-made the groups beneath it swappable; its standby's shadow iterations run once it
-knows the rank it takes, their collectives answered locally, and a member lost
-mid-step rolls the job back to its checkpoint (``tmd.runtime.parallel``).
+parallelism on a mesh, DDP) is trained the same way, once
+``tmd.runtime.parallel.init()`` made the groups beneath it swappable; its standby's
+shadow iterations run once it knows the rank it takes, their collectives answered
+locally. Its gradients are reduced inside the user's backward, so a member lost
+mid-step cannot be made good inside ``step``: the wrapper's collectives go through a
+guard (``swap_group.Guard``) that records the failure instead of raising it, ``step``
+replaces the lost machine from replicas (DDP, HSDP) and returns False, and the loop
+runs the same step again on the new groups, every stateful object and RNG stream
+as they were at its start. Where no survivor holds a lost rank's shards (FSDP2 on
+one mesh dimension, tensor parallelism), the job rolls back to its checkpoint.
 
 Every change of group goes through one call, ``Session.reconfigure``, with a
 ``Reconfiguration`` (``tmd.runtime.membership``): the first group at start, a switch
@@ -58,14 +64,23 @@ from tmd.runtime.failover import (
     Replaced,
     failure_reported,
     recover,
+    report_failure,
     wrapped_failure,
 )
 from tmd.runtime.group import Group, connect_store, make_group
 from tmd.runtime.membership import Membership, Reconfiguration
 from tmd.runtime.migration import VOTE_RESTART, no_votes
-from tmd.runtime.reducer import GradientReducer
+from tmd.runtime.reducer import GradientReducer, PeerLost, wait_interruptible
 from tmd.runtime.session_config import SessionConfig
-from tmd.runtime.state import Stateful, TrainState, ddp_warmup_steps, is_dtensor
+from tmd.runtime.state import (
+    Stateful,
+    TrainState,
+    ddp_warmup_steps,
+    is_dtensor,
+    replicas,
+    rng_state,
+    set_rng_state,
+)
 from tmd.runtime.telemetry import Telemetry
 from tmd.runtime.timing import PendingSwitch, StepTimes
 
@@ -119,6 +134,11 @@ class Session:
         self._pending_switch: PendingSwitch | None = None
         self._failovers: list[Recovery] = []  # in the current step
         self.boundary_stateful: dict[str, Any] = {}
+        self.boundary_rng: dict[str, Any] | None = None
+        """The RNG streams at the start of the step (a wrapped job's, which a failover
+        makes every survivor run again)."""
+        self._guard: swap_group.Guard | None = None  # a wrapped worker's
+        self._replicas: list[frozenset[int]] | None = None
         self.excluded: list[str] = []
         """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
@@ -126,7 +146,6 @@ class Session:
         if self.wrapped:  # at exit, before the interpreter's teardown (swap_group.release)
             swap_group.on_release(_letting_go(weakref.ref(self)))
         self._presence: liveness.Presence | None = None  # a worker's, once it is one
-        self._failure_seen: BaseException | None = None
         self.store = connect_store(self.env.store, timeout=self.config.store_timeout)
         self.telemetry = Telemetry(None, job=self.env.job, node=self.env.node, rank=self.rank)
 
@@ -159,7 +178,8 @@ class Session:
         membership, rank and role change: at start, at a switch (stayers and joiner)
         and at a failover (survivors and the standby taking over)."""
         if change.inner is not None:  # first: where it raises, nothing has changed
-            self._retired += swap_group.bind_inner(change.group, change.inner, self.store)
+            old = swap_group.bind_inner(change.group, change.inner, self.store)
+            (self._retired if change.switch is not None else self._failed).extend(old)
         if self._group is not None:
             # A switch's old group is kept until the first step on the new group has
             # ended (``_ack_downtimes``): its confirmation may still be in flight in
@@ -173,14 +193,36 @@ class Session:
         if change.median_step_s is not None:
             self.timing.inherit(change.median_step_s)
         self.telemetry.set_rank(self._rank, self._membership.generation)
+        if self.wrapped and self._guard is None:
+            report_store = connect_store(self.env.store, timeout=self.config.store_timeout)
+            self._guard = swap_group.Guard(
+                lambda _: report_failure(report_store, self._membership.generation)
+            )
+            swap_group.guard_with(self._guard)
         if self._presence is None:
             self._presence = liveness.Presence(
                 self.env.store, lambda: (self._membership.generation, self._rank),
-                failure_reported,
+                failure_reported, self._failure_elsewhere,
             )  # fmt: skip
         if change.switch is not None:
             self._pending_switch = change.switch
             self.timing.mark_step_end(change.switch.resumed)
+
+    def _failure_elsewhere(self, generation: int) -> None:
+        """A member of ``generation`` reported a failed collective (``Presence``'s
+        thread): a wrapped worker's collectives stop waiting for the lost."""
+        guard = self._guard
+        if guard is not None and generation == self._membership.generation:
+            guard.fail(PeerLost(f"a member of generation {generation} reported a failed "
+                                "collective"), report=False)  # fmt: skip
+
+    @property
+    def replicas(self) -> list[frozenset[int]]:
+        """For each rank, the ranks that hold what it holds (``state.replicas``)."""
+        if self._replicas is None:
+            self._replicas = replicas(self.state.model, self.state.params(), self.world_size,
+                                      wrapped=self.wrapped)  # fmt: skip
+        return self._replicas
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -207,8 +249,14 @@ class Session:
                 self.warmup_s = self._place.warmup_s
                 for mid in self._place.seen:
                     self.commands.first_seen(mid)
-                self.stopped = self._place.prepared is None  # the job stopped first
-                if not self.stopped:
+                # The job stopped first, or no migration or failover named it.
+                self.stopped = self._place.prepared is None and self._place.failover is None
+                if self._place.failover is not None:
+                    # A DDP joiner rebuilds its buckets as the job has; nothing else
+                    # needs a shadow iteration before it takes the lost rank's state.
+                    self._shadow_target = ddp_warmup_steps(self.state.model)
+                    parallel.start_failover(self)
+                elif not self.stopped:
                     parallel.start_groups(self, self._place)
             elif self.wrapped:
                 raise ConfigError("TMD_ROLE", "a standby of a job wrapped by torch's "
@@ -254,6 +302,8 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         try:
             error = exc[1]
+            if self._guard is not None:
+                self._guard.armed = False
             if self._place is not None:  # a wrapped standby that did not join
                 place, self._place = self._place, None
                 if error is None:  # the job stopped first
@@ -263,10 +313,10 @@ class Session:
             if (
                 self.wrapped and self.role == "worker" and not self.left
                 and isinstance(error, RuntimeError) and not isinstance(error, TmdError)
-                and error is not self._failure_seen
             ):  # fmt: skip
-                # A wrapped model's own collectives fail in the user's forward or
-                # backward, outside ``step``: a lost member is recognised here.
+                # A wrapped model's collective failed outside the guarded part of a
+                # step (a checkpoint's, the script's own between steps): a lost member
+                # is recognised here, and the job rolls back.
                 self.commands.drop()
                 wrapped_failure(self, error)
             if self.role == "worker" and not self.left and self.rank == 0:
@@ -288,6 +338,8 @@ class Session:
         self._group = None
 
     def _close(self) -> None:
+        if self._guard is not None and swap_group._guard is self._guard:
+            swap_group.guard_with(None)
         self.telemetry.close()
         self.control.close()
         if self._presence is not None:
@@ -324,6 +376,8 @@ class Session:
                 continue
             if self.role == "worker" and self.state.step >= total:
                 return
+            if self._guard is not None:
+                self._guard.armed = True  # until step() has clipped
             yield self.state.step
 
     @contextlib.contextmanager
@@ -339,15 +393,17 @@ class Session:
     def is_shadow(self) -> bool:
         return self.role == "standby"
 
-    def step(self) -> None:
-        """Average gradients, update, and run the step boundary."""
+    def step(self) -> bool:
+        """Average gradients, update, and run the step boundary. False where the step
+        was not applied: this process left the job (its machine was replaced), or (a
+        wrapped job) a failover undid the step, which the loop then runs again at the
+        same index, every stateful object and RNG stream as they were at its start."""
         compute_end = time.monotonic()
         if self.is_shadow:
             self._shadow_step()
-            return
+            return True
         if self.reducer is None:
-            self._wrapped_step(compute_end)
-            return
+            return self._wrapped_step(compute_end)
         mig = self.commands.current
         if mig is not None:
             mig.before_reduce()
@@ -377,7 +433,7 @@ class Session:
                     # This process's machine was counted lost and replaced: it is out
                     # of the job, like a leaver after a switch.
                     self.commands.left = True
-                    return
+                    return False
                 self.reconfigure(recovery.change)
                 self.publish_status()
                 self._failovers.append(recovery)
@@ -392,29 +448,62 @@ class Session:
         end = time.monotonic()
         self._record(compute_end, reduced, end)
         self._boundary(votes)
+        return True
 
-    def _wrapped_step(self, compute_end: float) -> None:
-        """A wrapped model's step: its gradients were reduced during backward; the
-        votes go through one all-reduce on tmd's group, then the update."""
+    def _wrapped_step(self, compute_end: float) -> bool:
+        """A wrapped model's step: its gradients were reduced during backward, through
+        the guard; clipping (the whole job's norm: collectives too), the votes through
+        one all-reduce on tmd's group, then the update. A failure seen by the guard
+        or in the votes replaces the lost machines and undoes the step."""
+        guard = self._guard
+        assert guard is not None and self.group is not None
         mig = self.commands.current
         votes = no_votes() if mig is None else mig.votes(self.state.step + 1)
         votes[VOTE_RESTART] = int(self.commands.restart_asked)
-        assert self.group is not None
-        try:
-            self.group.allreduce([votes]).wait()
-        except RuntimeError as exc:
-            self.commands.drop()
-            self._failure_seen = exc  # __exit__ asks no second time
-            wrapped_failure(self, exc)  # raises RestartRequired where members were lost
-            raise
+        failure, failed_at = guard.error, guard.failed_at
+        if failure is None:
+            self.clip()
+            failure, failed_at = guard.error, guard.failed_at
+        guard.armed = False
+        if failure is None:
+            # Every member's vote in, or none applies the step: a member lost after it
+            # voted was lost after its step, and the next step finds it gone.
+            try:
+                wait_interruptible(self.group.allreduce([votes]), self.member_failed)
+            except RuntimeError as exc:
+                failure, failed_at = exc, compute_end
+        if failure is not None:
+            return self._fail_over(failure, failed_at)
         reduced = time.monotonic()
-        self.clip()
         if mig is not None:
             mig.before_update(self.state, None)  # the clipped gradients, as applied
         self.apply_update(clip=False)
         end = time.monotonic()
         self._record(compute_end, reduced, end)
         self._boundary(votes)
+        return True
+
+    def _fail_over(self, failure: BaseException, failed_at: float) -> bool:
+        """A wrapped worker's step failed: replace the lost machines in place
+        (``failover.recover``; it raises ``RestartRequired`` where it cannot) and undo
+        the step, to run it again on the next generation's groups."""
+        self.commands.drop()
+        try:
+            recovery = recover(self, failure, collective_started=failed_at)
+        except Replaced:  # this process's machine was counted lost: out of the job
+            self.commands.left = True
+            return False
+        self.reconfigure(recovery.change)
+        assert self._guard is not None
+        self._guard.reset()
+        self.publish_status()
+        self._failovers.append(recovery)
+        self.state.optimizer.zero_grad(set_to_none=True)
+        for name, obj in self.state.stateful.items():
+            obj.load_state_dict(copy.deepcopy(self.boundary_stateful[name]))
+        if self.boundary_rng is not None:
+            set_rng_state(self.boundary_rng)
+        return False
 
     def member_failed(self) -> bool:
         """Has a member of the current generation reported a failed collective?"""
@@ -532,6 +621,8 @@ class Session:
         self.boundary_stateful = {
             name: copy.deepcopy(obj.state_dict()) for name, obj in self.state.stateful.items()
         }
+        if self.wrapped:
+            self.boundary_rng = rng_state()
 
     # -- outbound ----------------------------------------------------------------------
 

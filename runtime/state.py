@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import pickle
 import random
 import re
@@ -237,6 +238,36 @@ def bucket_layout(model: torch.nn.Module) -> dict[str, Any] | None:
     final = rebuilt or (model.find_unused_parameters and not model.static_graph)
     return {"rebuilt": rebuilt, "final": final,
             "buckets": [[index[id(p)] for p in b.parameters()] for b in buckets]}  # fmt: skip
+
+
+def replicas(model: torch.nn.Module, params: list[torch.Tensor], world_size: int,
+             *, wrapped: bool) -> list[frozenset[int]]:  # fmt: skip
+    """For each rank, the ranks that hold what it holds of the parameters (and so of
+    the optimizer state), itself included: who can stand in for it as a failover's
+    donor. Every rank, where the session averages the gradients or DDP does; on a
+    wrapped model, the ranks at the same coordinates of every parameter's mesh on
+    each dimension where the parameter is not replicated (HSDP: the same shard in
+    another replica group; FSDP2 on one dimension and tensor parallelism: none but
+    itself). A parameter not on a mesh of the whole job, or not a DTensor, has no
+    replica known (nobody averages its gradients). Buffers are not compared: a
+    donor's stand in for the lost rank's, as in data parallelism."""
+    everyone = frozenset(range(world_size))
+    if not wrapped or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return [everyone] * world_size
+    alone = [frozenset({r}) for r in range(world_size)]
+    peers = [everyone] * world_size
+    for p in params:
+        if not is_dtensor(p):
+            return alone
+        grid = p.device_mesh.mesh  # type: ignore[attr-defined]
+        if grid.numel() != world_size or set(grid.flatten().tolist()) != set(everyone):
+            return alone
+        sharded = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]  # type: ignore[attr-defined]
+        where = {int(grid[c].item()): tuple(c[d] for d in sharded)
+                 for c in itertools.product(*(range(n) for n in grid.shape))}  # fmt: skip
+        peers = [peers[r] & {q for q in everyone if where[q] == where[r]}
+                 for r in range(world_size)]  # fmt: skip
+    return peers
 
 
 def ddp_warmup_steps(model: torch.nn.Module) -> int:

@@ -26,9 +26,11 @@ it can build them before (DDP too, with ``init_sync=False``).
 Tested with torch 2.13.0, gloo, CPU, eager: FSDP2 on a 1-D mesh, HSDP on a 2-D mesh
 and tensor parallelism (``parallelize_module``) with ``fully_shard`` on a (dp, tp)
 mesh, a machine replaced at a step boundary, through the session; and, here alone,
-an HSDP rank replaced from its replica; DDP through the session. Not yet: NCCL (the
-shell registers one backend for one device, so CPU-side object collectives and
-barriers would miss), a peer dead in the middle of a collective. Every group must exist before the
+an HSDP rank replaced from its replica; DDP through the session; a peer dead in the
+middle of a collective, answered by ``Guard`` (DDP and HSDP failover through the
+session). Not yet: NCCL (the shell registers one backend for one device, so CPU-side
+object collectives and barriers would miss; the guard's futures carry no CUDA
+stream order). Every group must exist before the
 session binds them: a group created later (``DeviceMesh._flatten``,
 ``set_separate_reduce_scatter_group`` after the session opened) is refused. C++ callers reach
 the Python forwarders only through torch's trampolined methods (``allgather``,
@@ -44,6 +46,8 @@ import contextlib
 import gc
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -102,9 +106,16 @@ class SwappableGroup(dist.ProcessGroup):
             self.inner.abort()
 
     def _get_backend(self, device: Any) -> Any:
-        return self._forward("_get_backend", device)
+        self._check_bound("_get_backend")
+        return self.inner._get_backend(device)
 
     def _forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self._check_bound(name)
+        if _guard is not None and _guard.armed and not isinstance(self.inner, Loopback):
+            return _guard.run(self, name, args, kwargs)
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    def _check_bound(self, name: str) -> None:
         if self.inner is None:
             raise MigrationError(
                 f"collective {name} on group {self.group_name} before the session bound "
@@ -113,7 +124,6 @@ class SwappableGroup(dist.ProcessGroup):
                 "parallelism: parallelize_module(..., src_data_rank=None); DDP: "
                 "init_sync=False; every rank holding the same initial weights)"
             )
-        return getattr(self.inner, name)(*args, **kwargs)
 
     # The name and description live in Python: the C++ base keeps none for a subclass.
     def getBackendName(self) -> str:
@@ -236,6 +246,7 @@ def release() -> None:
     if installed():
         with contextlib.suppress(Exception):  # a teardown: nothing left to tell
             dist.destroy_process_group()
+    guard_with(None)
     for g in _groups:
         g.inner = None
     _groups.clear()
@@ -536,6 +547,143 @@ def _in_object_collective() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# -- the guard: a failed step rather than an exception in the user's code -------------
+
+
+class Guard:
+    """While ``armed`` (a worker's forward and backward, and the session's clipping),
+    every collective of every group goes through here (torchft's managed process group
+    does the same for its wrappers). A collective that fails, or that a member's
+    failure elsewhere in the job leaves hanging, raises nothing inside the wrapper's
+    code, which would end the user's loop: it completes with this rank's own tensors
+    (``Loopback``'s answer), the failure is kept in ``error``, and every later
+    collective is answered the same way, off the network, until the session has
+    recovered and calls ``reset``. The step's numbers are disposable: the session
+    undoes the step and runs it again on the next generation's groups
+    (``tmd.runtime.failover``).
+
+    A failure elsewhere comes through ``fail`` from the worker's ``Presence`` thread
+    (in a ring, a collective hangs on the ranks not next to the dead one); a failure
+    seen here is reported through ``report`` (so that the others stop waiting), on a
+    thread of its own: ``fail`` may run on a backend's callback thread."""
+
+    def __init__(self, report: Callable[[BaseException], None]) -> None:
+        self.armed = False
+        self.error: BaseException | None = None
+        self.failed_at = 0.0
+        """When ``error`` was set (``time.monotonic``)."""
+        self._report = report
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._pending: dict[int, _Pending] = {}
+
+    def run(self, group: SwappableGroup, name: str, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:  # fmt: skip
+        """``group``'s collective ``name`` on its inner group, as a work that never
+        fails."""
+        if self.error is not None:
+            return _answer(group, name, args, kwargs)
+        try:
+            work = getattr(group.inner, name)(*args, **kwargs)
+        except RuntimeError as exc:  # a broken group may refuse at once
+            self.fail(exc)
+            return _answer(group, name, args, kwargs)
+        try:
+            source: torch.futures.Future[Any] | None = work.get_future()
+        except RuntimeError:  # gloo's reduce_scatter_single has none: polled
+            source = None
+        pending = _Pending(self._epoch, work, group, name, args, kwargs)
+        with self._lock:
+            failed = self.error is not None
+            if not failed:
+                self._pending[id(pending)] = pending
+        if failed:  # it failed in between: nobody will complete this one
+            return _answer(group, name, args, kwargs)
+        if source is None:
+            self._poll(pending)
+        else:
+            source.add_done_callback(lambda f: self._done(pending, f.value))
+        return _create_work_from_future(pending.future)
+
+    def _done(self, pending: _Pending, value: Callable[[], Any]) -> None:
+        """``pending``'s collective completed: ``value()`` is its result, or raises its
+        error."""
+        try:
+            result = value()
+        except Exception as exc:  # the collective failed
+            if pending.epoch == self._epoch:
+                self.fail(exc)
+            return
+        with self._lock:
+            if self._pending.pop(id(pending), None) is None:
+                return  # completed by ``fail`` already
+        pending.future.set_result(result)
+
+    def _poll(self, pending: _Pending) -> None:
+        """Wait for a work without a future on a thread of its own (gloo reports it
+        complete only once waited on)."""
+        threading.Thread(target=self._done, args=(pending, lambda: _waited(pending)),
+                         name="tmd-guard-wait", daemon=True).start()  # fmt: skip
+
+    def fail(self, error: BaseException, *, report: bool = True) -> None:
+        """The current step failed: complete every pending collective with this rank's
+        own answer, and answer every later one so, until ``reset``."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error, self.failed_at = error, time.monotonic()
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.future.set_result(_answer(p.group, p.name, p.args, p.kwargs).get_future().value())
+        if report:
+            threading.Thread(target=self._report, args=(error,), name="tmd-guard-report",
+                             daemon=True).start()  # fmt: skip
+
+    def reset(self) -> None:
+        """The session recovered: collectives run on the (new) inner groups again. A
+        collective of the failed step that completes later is ignored."""
+        with self._lock:
+            self._epoch += 1
+            self.error = None
+            self._pending.clear()
+
+
+class _Pending:
+    """A collective issued through the guard, not yet complete."""
+
+    def __init__(self, epoch: int, work: Any, group: SwappableGroup, name: str,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # fmt: skip
+        self.epoch, self.work, self.group, self.name = epoch, work, group, name
+        self.args, self.kwargs = args, kwargs
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+
+
+def _waited(pending: _Pending) -> None:
+    """Wait for a work without a future (raising its error); it has no result."""
+    pending.work.wait()
+
+
+def _answer(group: SwappableGroup, name: str, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """A failed collective's stand-in, as a completed work: ``Loopback``'s answer
+    (outputs filled from this rank's own tensors); where it has none (a receive, an
+    object broadcast), the outputs as they are."""
+    loop = Loopback(group.rank(), group.size(), own_broadcasts=True)
+    try:
+        return getattr(loop, name)(*args, **kwargs)
+    except MigrationError:
+        return Loopback._done(args[0] if args else None)
+
+
+_guard: Guard | None = None
+
+
+def guard_with(guard: Guard | None) -> None:
+    """Route every collective through ``guard`` while it is armed (None: never)."""
+    global _guard
+    _guard = guard
 
 
 def sandbox(*, own_broadcasts: bool = False) -> None:

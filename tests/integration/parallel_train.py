@@ -112,7 +112,11 @@ def train(argv: list[str]) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--kill-rank", type=int, action="append", default=[],
                         help="SIGKILL these ranks in the job's first run ...")  # fmt: skip
-    parser.add_argument("--kill-step", type=int, default=-1, help="... after this step's backward")
+    parser.add_argument("--kill-step", type=int, default=-1, help="... in this step ...")
+    parser.add_argument("--kill-in", choices=("forward", "after-backward"),
+                        default="after-backward",
+                        help="... inside the last layer's forward (the wrapper's collectives "
+                        "of that step half done), or once its backward is done")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     env = RuntimeEnv.from_environ()
@@ -132,6 +136,14 @@ def train(argv: list[str]) -> None:
     x = torch.randn(N, 16, generator=gen)
     y = x[:, :4] * 2.0 + 0.1 * torch.randn(N, 4, generator=gen)
     data = StepData(dp_rank, dp_size)
+    if doomed and args.kill_in == "forward":
+
+        def die(*_: object) -> None:
+            if s.state.step == args.kill_step and s.role == "worker":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        inner[2].register_forward_pre_hook(die)  # type: ignore[index]
 
     def reference_step(step: int) -> None:
         idx = torch.cat([data.indices(step, r) for r in range(dp_size)])
@@ -145,7 +157,7 @@ def train(argv: list[str]) -> None:
     losses: list[tuple[int, int, float]] = []
     with session(model, optimizer, scheduler=scheduler, stateful={"data": data},
                  config=config, env=env) as s:  # fmt: skip
-        done = shadows = 0
+        done = shadows = redone = 0
         for step in s.steps(args.steps):
             shadow = s.is_shadow  # a standby's sandboxed iterations: disposable
             while not shadow and done < step:  # a joiner catches its reference up
@@ -154,11 +166,13 @@ def train(argv: list[str]) -> None:
             idx = data.next_batch()
             loss = nn.functional.mse_loss(model(x[idx]), y[idx])
             loss.backward()  # type: ignore[no-untyped-call]
-            if doomed and step == args.kill_step:
+            if doomed and step == args.kill_step and args.kill_in == "after-backward":
                 os.kill(os.getpid(), signal.SIGKILL)  # its shards of the gradients are out
             if not shadow:
                 losses.append((s.rank, step, float(loss.item())))
-            s.step()
+            if not s.step():
+                redone += 1
+                continue  # a failover undid it: the same step again, on the new groups
             if shadow:
                 shadows += 1
                 continue
@@ -174,7 +188,7 @@ def train(argv: list[str]) -> None:
             diff = max(float((whole[k] - v).abs().max()) for k, v in reference.state_dict().items())
             result = {"rank": s.rank, "node": env.node, "step": s.state.step, "max_diff": diff,
                       "init_rank": rank, "run": env.restart_count, "shadow_steps": shadows,
-                      "restored_step": s.restored_step}  # fmt: skip
+                      "restored_step": s.restored_step, "redone": redone}  # fmt: skip
             (out / f"final-rank{s.rank}.json").write_text(json.dumps(result))
 
 

@@ -66,6 +66,35 @@ def test_a_machine_of_a_wrapped_job_migrates_live(
     assert all(f["max_diff"] < 1e-5 for f in finals), finals
 
 
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
+def test_a_lost_machine_of_a_replicated_job_is_replaced_in_place_and_the_step_redone(
+    tmp_path: Path, jobs: list[object], layout: str
+) -> None:
+    from tmd.runtime.launch import LocalJob
+
+    # worker1 (ranks 2 and 3) dies inside a forward: the survivors' collectives of that
+    # step fail or hang in the wrapper's code, which must not raise in the loop.
+    cmd = [sys.executable, SCRIPT, "--layout", layout, "--steps", "14", "--out", str(tmp_path),
+           "--kill-rank", "2", "--kill-rank", "3", "--kill-step", "9",
+           "--kill-in", "forward"]  # fmt: skip
+    job = LocalJob(cmd, nproc=NPROC, standby=1, nproc_per_node=PER_NODE, job="job")
+    jobs.append(job)
+    codes = job.wait(JOB_TIMEOUT)
+
+    assert codes == {"worker0/0": 0, "worker0/1": 0, "worker1/0": -9, "worker1/1": -9,
+                     "standby0/0": 0, "standby0/1": 0}, codes  # fmt: skip
+    assert len(job.attempts) == 1  # no rollback
+    acks = [a for a in job.attempts[0].acks if a.migration_id == "failover-g0"]
+    assert [(a.kind, a.detail) for a in acks] == [("switched", "worker1 replaced by standby0")]
+    finals = [json.loads((tmp_path / f"final-rank{r}.json").read_text()) for r in range(NPROC)]
+    # The survivors ran step 9 again; the standby took ranks 2 and 3 from their
+    # replicas (HSDP: the same shards in the other replica group) and ran it too.
+    assert [(f["node"], f["step"], f["redone"]) for f in finals] == [
+        ("worker0", 14, 1), ("worker0", 14, 1), ("standby0", 14, 0), ("standby0", 14, 0)
+    ]  # fmt: skip
+    assert all(f["max_diff"] < 1e-5 for f in finals), finals
+
+
 def test_a_lost_machine_of_a_sharded_job_rolls_back_to_its_sharded_checkpoint(
     tmp_path: Path, jobs: list[object]
 ) -> None:

@@ -123,3 +123,23 @@ def test_survivors_at_different_steps_roll_back(store: StoreAddress) -> None:
     client.add(f"{PREFIX}/alive", 1)
     results = _agree(address, four, {0: 0.0, 1: 0.0})
     assert results[0]["action"] == "rollback" and "steps [7, 8]" in results[0]["reason"]
+
+
+def test_each_lost_rank_gets_a_survivor_holding_what_it_held_or_the_job_rolls_back() -> None:
+    """Donors by replica (``Session.replicas``): any survivor of a data-parallel job,
+    the same shard in another replica group of an HSDP job, none of an FSDP2 job on
+    one mesh dimension."""
+    import torch
+
+    def donors(replicas: list[set[int]], lost: list[str], alive: list[int]) -> Any:
+        session = SimpleNamespace(membership=TWO_BY_TWO, replicas=[frozenset(r) for r in replicas],
+                                  state=SimpleNamespace(model=torch.nn.Linear(1, 1)))  # fmt: skip
+        return failover._donors(cast(Session, session), {"lost": lost, "alive": alive})
+
+    everyone = [{0, 1, 2, 3}] * 4
+    assert donors(everyone, ["b"], [0, 1]) == {2: 0, 3: 1}  # in turn
+    assert donors(everyone, ["b"], [0]) == {2: 0, 3: 0}
+    hsdp = [{0, 2}, {1, 3}, {0, 2}, {1, 3}]  # (replicate, shard) = (machine, local rank)
+    assert donors(hsdp, ["a"], [2, 3]) == {0: 2, 1: 3}
+    fsdp = [{0}, {1}, {2}, {3}]
+    assert "lost b, and no survivor holds the shards of its rank 2" in donors(fsdp, ["b"], [0, 1])

@@ -123,3 +123,47 @@ def test_small_state_travels_without_numpy() -> None:
         "assert unpack(both[len(pack('x')):]) == state  # a view at an offset\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_replicas_follow_each_parameter_s_mesh_and_placements() -> None:
+    """Who holds what a rank holds: every rank in data parallelism, the same shard of
+    the other replica group in HSDP, nobody else in FSDP2 on one dimension or in
+    tensor parallelism with FSDP2 (one process, torch's fake process group of 4)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tmd.runtime.state import replicas
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        plain = model()
+        assert replicas(plain, list(plain.parameters()), 4, wrapped=False) == [{0, 1, 2, 3}] * 4
+        hsdp = model()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(hsdp[0], mesh=mesh)
+        fully_shard(hsdp, mesh=mesh)
+        assert replicas(hsdp, list(hsdp.parameters()), 4, wrapped=True) == [
+            {0, 2}, {1, 3}, {0, 2}, {1, 3}
+        ]  # fmt: skip
+        fsdp = model()
+        fully_shard(fsdp, mesh=init_device_mesh("cpu", (4,)))
+        assert replicas(fsdp, list(fsdp.parameters()), 4, wrapped=True) == [{0}, {1}, {2}, {3}]
+        tp = model()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(tp, mesh["tp"], plan, src_data_rank=None)  # type: ignore[arg-type]
+        fully_shard(tp, mesh=mesh["dp"])
+        assert replicas(tp, list(tp.parameters()), 4, wrapped=True) == [{0}, {1}, {2}, {3}]
+    finally:
+        dist.destroy_process_group()

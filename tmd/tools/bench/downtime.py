@@ -250,17 +250,20 @@ def worker(argv: list[str]) -> int:
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, 256), batch[:, 1:].reshape(-1)
             )
+            doomed = env.role == "worker" and env.rank in args.kill_rank and step == args.at_step
+            if doomed and args.parallel:
+                # Mid-step for a wrapped job: its gradients are reduced inside backward,
+                # where the survivors' collectives now fail.
+                _die(args.out, env.rank)
             loss.backward()  # type: ignore[no-untyped-call]
             slowed = args.slow_node in (env.node, env.slot)
             if slowed and s.role == "worker" and step >= args.slow_from:
                 time.sleep(args.slow_s)  # an injected straggler: a slow GPU, throttled clocks
-            if env.role == "worker" and env.rank in args.kill_rank and step == args.at_step:
-                kill = json.dumps({"t_kill": time.time()})
-                (args.out / f"killed-{env.rank}.json").write_text(kill)
-                os.kill(os.getpid(), 9)  # mid-step: gradients computed, not yet reduced
+            if doomed:
+                _die(args.out, env.rank)  # mid-step: gradients computed, not yet reduced
             shadow = s.is_shadow
-            s.step()
-            if shadow:
+            applied = s.step()
+            if shadow or not applied:  # not applied: a failover undid it, it runs again
                 continue
             t = s.last_timing
             assert t is not None
@@ -306,6 +309,11 @@ def worker(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _die(out: Path, rank: int) -> None:
+    (out / f"killed-{rank}.json").write_text(json.dumps({"t_kill": time.time()}))
+    os.kill(os.getpid(), 9)
 
 
 # -- orchestration ---------------------------------------------------------------------
@@ -607,9 +615,11 @@ def _live_fields(
 
 def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     """The job wrapped for ``args.layout`` on machines of ``--nproc-per-node`` ranks:
-    ``worker1`` moved live and the job checkpoint-restarted (its checkpoint sharded,
-    written and read by every rank), each against a reference run of the same layout.
-    In-place failover of a wrapped job is not built: its fields say so."""
+    ``worker1`` moved live, the job checkpoint-restarted (its checkpoint sharded,
+    written and read by every rank) and, where its state has replicas (HSDP, DDP),
+    ``worker1`` lost whole mid-backward, each against a reference run of the same
+    layout. FSDP2 on one dimension and tensor parallelism hold no replica of a lost
+    machine's shards: a loss rolls the job back, as checkpoint-restart measures."""
     k, layout = args.nproc_per_node, args.layout
     progress.say(f"{layout}: reference run, machines of {k} ranks")
     # Long enough for the live run, which stops AFTER_SWITCH steps past its switch.
@@ -624,10 +634,24 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
     progress.say(f"{layout}: checkpoint-restart")
     restart = _checkpoint_restart(out / "restart", args, per_node=k)
     noise = measure.step_noise(list(reference.values()))
+    failover: dict[str, Any] = {"replica": False, "reason": NO_REPLICA}
+    failover_fields: dict[str, Any] = {"failover_downtime_s": None}
+    if layout in REPLICATED:
+        progress.say(f"{layout}: failover (worker1's {k} processes killed mid-backward)")
+        failover = _failover(out / "failover", args, per_node=k)
+        failover["ratio_checkpoint_restart_vs_noise"] = measure.ratio(
+            restart["downtime_s"], measure.worst(failover), noise
+        )
+        failover_fields = {
+            "failover_downtime_s": failover["downtime_s"],
+            "loss_match_failover": measure.loss_match(
+                failover.pop("loss"), reference_to_steps, complete=False
+            ),
+        }
     result: dict[str, Any] = {
         **_live_fields(live, restart, noise, k),
-        "failover_downtime_s": None,
-        "failover": {"built": False, "reason": FAILOVER_NOT_BUILT},
+        **failover_fields,
+        "failover": failover,
         "loss_match": measure.loss_match(live_losses, reference_to_last),
         "loss_match_checkpoint_restart": measure.loss_match(
             restart.pop("loss"), reference_to_steps
@@ -647,9 +671,11 @@ SPARE_STEPS = 40
 """A held live run's reference runs this many steps past ``--steps``; a switch later
 than that shows as ``loss_match`` false."""
 
-FAILOVER_NOT_BUILT = (
-    "in-place failover of a job wrapped by torch's parallelism is not built yet: a lost "
-    "machine makes the job roll back to its (sharded) checkpoint"
+REPLICATED = ("hsdp", "ddp")
+"""The layouts in which a lost machine's state has a replica (in-place failover)."""
+NO_REPLICA = (
+    "no survivor holds a lost machine's shards (FSDP2 on one mesh dimension, tensor "
+    "parallelism): the job rolls back to its sharded checkpoint (checkpoint_restart)"
 )
 
 
