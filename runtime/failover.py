@@ -63,6 +63,7 @@ the session applies; nothing here writes the session's group or membership.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -80,7 +81,6 @@ from tmd.runtime.env import RuntimeEnv, slot_name
 from tmd.runtime.group import Group, make_group
 from tmd.runtime.liveness import fail_prefix, present, wake
 from tmd.runtime.membership import Membership, Reconfiguration
-from tmd.runtime.state import bucket_layout
 from tmd.runtime.transfer import Kind, TransferChannel
 
 if TYPE_CHECKING:
@@ -346,7 +346,7 @@ def _donors(session: Session, decision: Decision) -> dict[int, int] | str:
     the survivors taking turns; or why there is none (the job rolls back)."""
     membership = session.membership
     alive = sorted(decision["alive"])
-    layout = bucket_layout(session.state.model)
+    layout = session.bucket_layout()
     if layout is not None and not layout["final"]:
         return ("a DDP job failed before its reducer rebuilt its buckets (its first steps): "
                 "a joiner, warmed alone, would bucket its gradients otherwise")  # fmt: skip
@@ -430,7 +430,7 @@ def _small_for(session: Session, rank: int) -> dict[str, Any]:
     small = session.state.small_state()
     if session.boundary_rng is not None:  # a wrapped job's survivors redo the step
         small["rng"] = session.boundary_rng
-    small["buckets"] = bucket_layout(session.state.model)
+    small["buckets"] = session.bucket_layout()
     stateful = {}
     for name, state in session.boundary_stateful.items():
         state = dict(state)
@@ -455,6 +455,8 @@ def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
     wrapped job, with the next inner groups: ``tmd.runtime.parallel``)."""
     cfg, env, store = session.config, session.env, session.store
     prefix = plan["prefix"]
+    with contextlib.suppress(RuntimeError):  # taken: a later process of this slot starts clean
+        store.delete_key(plan_key(env.slot))
     pair = make_group(store, f"{prefix}/xfer/{failover_rank(plan, env)}", rank=1, size=2,
                       timeout=cfg.group_timeout, backend="gloo", host=env.host)  # fmt: skip
     channel = TransferChannel(pair, is_leaver=False)
@@ -464,7 +466,7 @@ def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
     session.state.load_small_state(small)
     session.capture_boundary()  # what to hand on should this step fail too
     rank = int(meta["rank"])
-    layout = bucket_layout(session.state.model)  # its shadow iterations are done
+    layout = session.bucket_layout()  # its shadow iterations are done
     if layout != small.get("buckets"):
         raise MigrationError(f"this standby's DDP buckets {layout} are not the job's "
                              f"{small.get('buckets')}")  # fmt: skip

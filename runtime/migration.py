@@ -319,7 +319,8 @@ class Migration:
     def before_update(self, state: TrainState, buffers: list[torch.Tensor] | None) -> None:
         """Leaver, after the all-reduce and before the optimizer: make sure the
         snapshot has left (the optimizer is about to write those tensors), then
-        forward this step's averaged gradients and hyper-parameters. ``buffers``: the
+        forward this step's averaged gradients, hyper-parameters and the model's
+        buffers. ``buffers``: the
         reducer's; None for a wrapped model, whose gradients (this rank's shards,
         clipped) go as they are."""
         if not self.is_leaver or self.snapshot_step is None or self.abort_reason is not None:
@@ -328,15 +329,19 @@ class Migration:
         try:
             self.channel.flush()
             self.snapshot_flushed = True
+            # The model's buffers as this step's forward left them (BatchNorm's
+            # statistics): no gradient brings them, the joiner takes them as they are.
+            model_buffers = state.buffer_tensors()
+            payload: dict[str, Any] = {"hyperparams": state.hyperparams(),
+                                       "buffers": len(model_buffers)}  # fmt: skip
             if buffers is None:
                 try:
-                    has_grad, grads = state.local_grads()
+                    payload["has_grad"], grads = state.local_grads()
                 except ValueError as exc:
                     raise MigrationError(str(exc)) from exc
-                payload = {"hyperparams": state.hyperparams(), "has_grad": has_grad}
-                self.channel.send(Kind.GRADS, state.step + 1, payload, grads)
+                self.channel.send(Kind.GRADS, state.step + 1, payload, grads + model_buffers)
                 return
-            self.channel.send(Kind.GRADS, state.step + 1, state.hyperparams(), buffers)
+            self.channel.send(Kind.GRADS, state.step + 1, payload, [*buffers, *model_buffers])
         except MigrationError as exc:
             self.abort_reason = str(exc)
 

@@ -286,5 +286,7 @@ def abandon(session: Standing, place: Place, detail: str = "") -> None:
     another, so it registers as failed."""
     if place.prepare is not None and detail:
         session.ack(place.prepare.migration_id, "failed", detail=detail)
+    if place.failover is not None and detail:
+        session.ack(str(place.failover.get("id", "")), "failed", detail=detail)
     place.close()
     announce(session, "failed")

@@ -63,6 +63,7 @@ from tmd.runtime.failover import (
     Recovery,
     Replaced,
     failure_reported,
+    give_up,
     recover,
     report_failure,
     wrapped_failure,
@@ -75,6 +76,7 @@ from tmd.runtime.session_config import SessionConfig
 from tmd.runtime.state import (
     Stateful,
     TrainState,
+    bucket_layout,
     ddp_warmup_steps,
     is_dtensor,
     replicas,
@@ -139,6 +141,8 @@ class Session:
         makes every survivor run again)."""
         self._guard: swap_group.Guard | None = None  # a wrapped worker's
         self._replicas: list[frozenset[int]] | None = None
+        self._layout: dict[str, Any] | None = None
+        self._boundary_buffers: list[torch.Tensor] = []
         self.excluded: list[str] = []
         """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
@@ -196,7 +200,8 @@ class Session:
         if self.wrapped and self._guard is None:
             report_store = connect_store(self.env.store, timeout=self.config.store_timeout)
             self._guard = swap_group.Guard(
-                lambda _: report_failure(report_store, self._membership.generation)
+                lambda _, generation: report_failure(report_store, generation),
+                self._membership.generation,
             )
             swap_group.guard_with(self._guard)
         if self._presence is None:
@@ -211,10 +216,9 @@ class Session:
     def _failure_elsewhere(self, generation: int) -> None:
         """A member of ``generation`` reported a failed collective (``Presence``'s
         thread): a wrapped worker's collectives stop waiting for the lost."""
-        guard = self._guard
-        if guard is not None and generation == self._membership.generation:
-            guard.fail(PeerLost(f"a member of generation {generation} reported a failed "
-                                "collective"), report=False)  # fmt: skip
+        if self._guard is not None:  # it ignores a generation it has left
+            self._guard.fail(PeerLost(f"a member of generation {generation} reported a "
+                                      "failed collective"), generation, report=False)  # fmt: skip
 
     @property
     def replicas(self) -> list[frozenset[int]]:
@@ -223,6 +227,13 @@ class Session:
             self._replicas = replicas(self.state.model, self.state.params(), self.world_size,
                                       wrapped=self.wrapped)  # fmt: skip
         return self._replicas
+
+    def bucket_layout(self) -> dict[str, Any] | None:
+        """A DDP model's bucket layout (``state.bucket_layout``), read again only until
+        it is final (each read allocates a zero copy of the gradients)."""
+        if self._layout is None or not self._layout["final"]:
+            self._layout = bucket_layout(self.state.model)
+        return self._layout
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -376,9 +387,18 @@ class Session:
                 continue
             if self.role == "worker" and self.state.step >= total:
                 return
-            if self._guard is not None:
-                self._guard.armed = True  # until step() has clipped
-            yield self.state.step
+            guard = self._guard
+            if guard is not None:
+                guard.armed = True  # until step() has clipped
+            try:
+                yield self.state.step
+            finally:
+                if guard is not None:
+                    guard.armed = False
+            if guard is not None and guard.error is not None and not self.left:
+                # The loop went on without step() (a skipped batch): the failure its
+                # collectives met is handled here, and the step runs again.
+                self._fail_over(guard.error, guard.failed_at)
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
@@ -487,15 +507,24 @@ class Session:
         """A wrapped worker's step failed: replace the lost machines in place
         (``failover.recover``; it raises ``RestartRequired`` where it cannot) and undo
         the step, to run it again on the next generation's groups."""
+        guard = self._guard
+        assert guard is not None
         self.commands.drop()
+        self._restore_buffers()  # before a donor sends them: the step's start
         try:
             recovery = recover(self, failure, collective_started=failed_at)
         except Replaced:  # this process's machine was counted lost: out of the job
             self.commands.left = True
             return False
         self.reconfigure(recovery.change)
-        assert self._guard is not None
-        self._guard.reset()
+        guard.reset(self._membership.generation)
+        # The failed step's collectives may still run on the old groups, on tensors
+        # the wrapper uses again (DDP's buckets): the step runs again only once they
+        # have ended (a dead peer ends them at once; a hang, at the groups' timeout;
+        # gloo's abort does not stop them).
+        if not guard.drain(self.config.group_timeout):
+            give_up(self, recovery.id, "the failed step's collectives did not end within "
+                    f"the group timeout ({self.config.group_timeout})", failure)  # fmt: skip
         self.publish_status()
         self._failovers.append(recovery)
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -504,6 +533,12 @@ class Session:
         if self.boundary_rng is not None:
             set_rng_state(self.boundary_rng)
         return False
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer, kept in zip(self.state.model.buffers(), self._boundary_buffers,
+                                    strict=False):  # fmt: skip
+                buffer.copy_(kept)
 
     def member_failed(self) -> bool:
         """Has a member of the current generation reported a failed collective?"""
@@ -621,8 +656,14 @@ class Session:
         self.boundary_stateful = {
             name: copy.deepcopy(obj.state_dict()) for name, obj in self.state.stateful.items()
         }
-        if self.wrapped:
+        if self.wrapped:  # what a failover's redo of the next step starts from
             self.boundary_rng = rng_state()
+            buffers = [b.detach() for b in self.state.model.buffers()]
+            if [b.shape for b in buffers] != [b.shape for b in self._boundary_buffers]:
+                self._boundary_buffers = [b.clone() for b in buffers]
+            else:
+                for kept, b in zip(self._boundary_buffers, buffers, strict=True):
+                    kept.copy_(b)
 
     # -- outbound ----------------------------------------------------------------------
 

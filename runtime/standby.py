@@ -264,13 +264,16 @@ def _follow(session: Session, channel: TransferChannel) -> _Arrived | None:
         header, payload = channel.recv()
         received = time.monotonic()
         if header.kind is Kind.GRADS:
+            model_buffers = state.buffer_tensors()
+            if payload["buffers"] != len(model_buffers):
+                raise MigrationError(f"the leaver's model has {payload['buffers']} buffers, "
+                                     f"this joiner's {len(model_buffers)}")  # fmt: skip
+            state.load_hyperparams(payload["hyperparams"])
             if session.reducer is None:  # a wrapped model: this rank's shards, clipped
-                state.load_hyperparams(payload["hyperparams"])
-                channel.recv_tensors(state.receive_grads(payload["has_grad"]))
+                channel.recv_tensors(state.receive_grads(payload["has_grad"]) + model_buffers)
                 session.apply_update(step_scheduler=False, clip=False)
             else:
-                state.load_hyperparams(payload)
-                channel.recv_tensors(session.reducer.buffers)
+                channel.recv_tensors([*session.reducer.buffers, *model_buffers])
                 session.reducer.load(session.reducer.buffers)
                 # The schedule arrives at the switch.
                 session.apply_update(step_scheduler=False)

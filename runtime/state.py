@@ -117,6 +117,12 @@ class TrainState:
                     tensors.append(local(value))
         return tensors
 
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Every buffer of the model (persistent or not), this rank's part of each:
+        what a step's forward may change besides the parameters (BatchNorm's running
+        statistics), which a lock-step joiner takes from its leaver every step."""
+        return [local(b.detach()) for b in self.model.buffers()]
+
     def receive_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
         """The tensors to receive a peer's bulk into, matching its ``manifest``.
 
@@ -248,12 +254,17 @@ def replicas(model: torch.nn.Module, params: list[torch.Tensor], world_size: int
     wrapped model, the ranks at the same coordinates of every parameter's mesh on
     each dimension where the parameter is not replicated (HSDP: the same shard in
     another replica group; FSDP2 on one dimension and tensor parallelism: none but
-    itself). A parameter not on a mesh of the whole job, or not a DTensor, has no
-    replica known (nobody averages its gradients). Buffers are not compared: a
+    itself). A parameter not on a mesh of the whole job, or not a DTensor (outside
+    DDP over the whole world), has no replica known. Buffers are not compared: a
     donor's stand in for the lost rank's, as in data parallelism."""
     everyone = frozenset(range(world_size))
-    if not wrapped or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if not wrapped:
         return [everyone] * world_size
+    on_mesh = any(is_dtensor(p) for p in params)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not on_mesh:
+        group = model.process_group
+        if group is None or group.size() == world_size:  # DDP over every rank
+            return [everyone] * world_size
     alone = [frozenset({r}) for r in range(world_size)]
     peers = [everyone] * world_size
     for p in params:

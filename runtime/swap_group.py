@@ -23,20 +23,23 @@ name, which torch gives alike in every member. A joiner's groups have no inner g
 until the switch; ``fully_shard`` and creating the optimizer issue no collective, so
 it can build them before (DDP too, with ``init_sync=False``).
 
-Tested with torch 2.13.0, gloo, CPU, eager: FSDP2 on a 1-D mesh, HSDP on a 2-D mesh
-and tensor parallelism (``parallelize_module``) with ``fully_shard`` on a (dp, tp)
-mesh, a machine replaced at a step boundary, through the session; and, here alone,
-an HSDP rank replaced from its replica; DDP through the session; a peer dead in the
-middle of a collective, answered by ``Guard`` (DDP and HSDP failover through the
-session). Not yet: NCCL (the shell registers one backend for one device, so CPU-side
-object collectives and barriers would miss; the guard's futures carry no CUDA
-stream order). Every group must exist before the
-session binds them: a group created later (``DeviceMesh._flatten``,
-``set_separate_reduce_scatter_group`` after the session opened) is refused. C++ callers reach
-the Python forwarders only through torch's trampolined methods (``allgather``,
-``allreduce``, ``broadcast``, ``reduce_scatter``, their coalesced forms, ``send``,
-``recv``, ``barrier``): a compiled FSDP2 calling ``all_gather_single`` from C++ would
-miss. ``install`` refuses a torch that lacks one of ``FORWARDED``.
+Tested with torch 2.13.0, gloo, CPU, eager, through the session
+(``tests/integration/test_parallel.py``, ``tmd bench downtime --parallel``): a
+machine of an FSDP2 job on a 1-D mesh, of an HSDP job on a 2-D mesh, of a job
+tensor-parallel (``parallelize_module``) within a machine with ``fully_shard`` on
+the (dp, tp) mesh, and of a DDP job, moved live at a step boundary; a machine of a
+DDP and of an HSDP job killed between its forward and backward, its ranks replaced
+from their replicas while the survivors' collectives fail under ``Guard``; in one
+process, ``Guard`` releasing a collective left hanging once a failure elsewhere is
+reported. Not yet: NCCL (the shell registers one backend for one device, so
+CPU-side object collectives and barriers would miss; the guard's futures carry no
+CUDA stream order). Every group must exist before the session binds them: a group
+created later (``DeviceMesh._flatten``, ``set_separate_reduce_scatter_group`` after
+the session opened) is refused. C++ callers reach the Python forwarders only
+through torch's trampolined methods (``allgather``, ``allreduce``, ``broadcast``,
+``reduce_scatter``, their coalesced forms, ``send``, ``recv``, ``barrier``): a
+compiled FSDP2 calling ``all_gather_single`` from C++ would miss. ``install``
+refuses a torch that lacks one of ``FORWARDED``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import atexit
 import contextlib
 import gc
 import os
+import queue
 import sys
 import threading
 import time
@@ -560,24 +564,32 @@ class Guard:
     code, which would end the user's loop: it completes with this rank's own tensors
     (``Loopback``'s answer), the failure is kept in ``error``, and every later
     collective is answered the same way, off the network, until the session has
-    recovered and calls ``reset``. The step's numbers are disposable: the session
-    undoes the step and runs it again on the next generation's groups
-    (``tmd.runtime.failover``).
+    recovered and calls ``reset`` for the next generation. The step's numbers are
+    disposable: the session undoes the step and runs it again on the next
+    generation's groups (``tmd.runtime.failover``).
 
     A failure elsewhere comes through ``fail`` from the worker's ``Presence`` thread
     (in a ring, a collective hangs on the ranks not next to the dead one); a failure
-    seen here is reported through ``report`` (so that the others stop waiting), on a
-    thread of its own: ``fail`` may run on a backend's callback thread."""
+    seen here is reported through ``report(error, generation)`` (so that the others
+    stop waiting), on a thread of its own: ``fail`` may run on a backend's callback
+    thread. A failure is counted only for the generation it happened in: a
+    collective of a failed step that fails late, or a report that arrives after the
+    session moved on, changes nothing. The works a failure abandoned stay in
+    ``abandoned`` until ``drain``: they still run on the old groups, on the step's
+    tensors, until those groups are aborted."""
 
-    def __init__(self, report: Callable[[BaseException], None]) -> None:
+    def __init__(self, report: Callable[[BaseException, int], None], generation: int) -> None:
         self.armed = False
         self.error: BaseException | None = None
         self.failed_at = 0.0
         """When ``error`` was set (``time.monotonic``)."""
+        self.generation = generation
+        self.abandoned: list[Any] = []
+        """The inner works a failure left running."""
         self._report = report
         self._lock = threading.Lock()
-        self._epoch = 0
         self._pending: dict[int, _Pending] = {}
+        self._waits: queue.SimpleQueue[_Pending | None] | None = None
 
     def run(self, group: SwappableGroup, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:  # fmt: skip
@@ -585,24 +597,27 @@ class Guard:
         fails."""
         if self.error is not None:
             return _answer(group, name, args, kwargs)
+        generation = self.generation
         try:
             work = getattr(group.inner, name)(*args, **kwargs)
         except RuntimeError as exc:  # a broken group may refuse at once
-            self.fail(exc)
+            self.fail(exc, generation)
             return _answer(group, name, args, kwargs)
         try:
             source: torch.futures.Future[Any] | None = work.get_future()
-        except RuntimeError:  # gloo's reduce_scatter_single has none: polled
+        except RuntimeError:  # gloo's reduce_scatter_single has none: waited for
             source = None
-        pending = _Pending(self._epoch, work, group, name, args, kwargs)
+        pending = _Pending(generation, work, group, name, args, kwargs)
         with self._lock:
-            failed = self.error is not None
-            if not failed:
+            failed = self.error is not None or generation != self.generation
+            if failed:
+                self.abandoned.append(work)
+            else:
                 self._pending[id(pending)] = pending
         if failed:  # it failed in between: nobody will complete this one
             return _answer(group, name, args, kwargs)
         if source is None:
-            self._poll(pending)
+            self._wait_for(pending)
         else:
             source.add_done_callback(lambda f: self._done(pending, f.value))
         return _create_work_from_future(pending.future)
@@ -613,51 +628,90 @@ class Guard:
         try:
             result = value()
         except Exception as exc:  # the collective failed
-            if pending.epoch == self._epoch:
-                self.fail(exc)
+            self.fail(exc, pending.generation)
             return
         with self._lock:
             if self._pending.pop(id(pending), None) is None:
-                return  # completed by ``fail`` already
+                return  # completed by ``fail`` or ``reset`` already
         pending.future.set_result(result)
 
-    def _poll(self, pending: _Pending) -> None:
-        """Wait for a work without a future on a thread of its own (gloo reports it
-        complete only once waited on)."""
-        threading.Thread(target=self._done, args=(pending, lambda: _waited(pending)),
-                         name="tmd-guard-wait", daemon=True).start()  # fmt: skip
-
-    def fail(self, error: BaseException, *, report: bool = True) -> None:
-        """The current step failed: complete every pending collective with this rank's
-        own answer, and answer every later one so, until ``reset``."""
+    def _wait_for(self, pending: _Pending) -> None:
+        """Wait for a work without a future (gloo reports it complete only once waited
+        on) on this generation's waiter thread, in the order they were issued; a
+        failure's abandoned works keep the old generation's thread."""
         with self._lock:
-            if self.error is not None:
+            if self._waits is None:
+                self._waits = queue.SimpleQueue()
+                threading.Thread(target=self._waiter, args=(self._waits,), daemon=True,
+                                 name="tmd-guard-wait").start()  # fmt: skip
+            self._waits.put(pending)
+
+    def _waiter(self, waits: queue.SimpleQueue[_Pending | None]) -> None:
+        while (pending := waits.get()) is not None:
+            self._done(pending, lambda p=pending: _waited(p))  # type: ignore[misc]
+
+    def fail(self, error: BaseException, generation: int, *, report: bool = True) -> None:
+        """The step of ``generation`` failed (ignored if the guard moved on): complete
+        every pending collective with this rank's own answer, and answer every later
+        one so, until ``reset``."""
+        with self._lock:
+            if self.error is not None or generation != self.generation:
                 return
             self.error, self.failed_at = error, time.monotonic()
             pending, self._pending = list(self._pending.values()), {}
-        for p in pending:
-            p.future.set_result(_answer(p.group, p.name, p.args, p.kwargs).get_future().value())
+            self.abandoned += [p.work for p in pending]
+        _complete(pending)
         if report:
-            threading.Thread(target=self._report, args=(error,), name="tmd-guard-report",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=self._report, args=(error, generation), daemon=True,
+                             name="tmd-guard-report").start()  # fmt: skip
 
-    def reset(self) -> None:
-        """The session recovered: collectives run on the (new) inner groups again. A
-        collective of the failed step that completes later is ignored."""
+    def reset(self, generation: int) -> None:
+        """The session recovered into ``generation``: collectives run on the (new)
+        inner groups again. Any collective still pending (one the step never waited
+        for) is answered locally and abandoned."""
         with self._lock:
-            self._epoch += 1
+            self.generation = generation
             self.error = None
-            self._pending.clear()
+            pending, self._pending = list(self._pending.values()), {}
+            self.abandoned += [p.work for p in pending]
+            waits, self._waits = self._waits, None
+        _complete(pending)
+        if waits is not None:
+            waits.put(None)  # its thread ends after the works queued before
+
+    def drain(self, timeout: timedelta) -> bool:
+        """Wait up to ``timeout`` for every abandoned work to end (call it once their
+        groups are aborted); whether all did. Forgets them either way."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._lock:
+            works, self.abandoned = self.abandoned, []
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
 
 class _Pending:
     """A collective issued through the guard, not yet complete."""
 
-    def __init__(self, epoch: int, work: Any, group: SwappableGroup, name: str,
+    def __init__(self, generation: int, work: Any, group: SwappableGroup, name: str,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # fmt: skip
-        self.epoch, self.work, self.group, self.name = epoch, work, group, name
+        self.generation, self.work, self.group, self.name = generation, work, group, name
         self.args, self.kwargs = args, kwargs
         self.future: torch.futures.Future[Any] = torch.futures.Future()
+
+
+def _complete(pending: list[_Pending]) -> None:
+    """Complete each with this rank's own answer: whatever happens, none is left for a
+    caller to wait on forever."""
+    for p in pending:
+        try:
+            value = _answer(p.group, p.name, p.args, p.kwargs).get_future().value()
+        except Exception:  # an answer it could not make: the outputs as they are
+            value = None
+        with contextlib.suppress(RuntimeError):  # completed already
+            p.future.set_result(value)
 
 
 def _waited(pending: _Pending) -> None:
@@ -669,11 +723,11 @@ def _answer(group: SwappableGroup, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """A failed collective's stand-in, as a completed work: ``Loopback``'s answer
     (outputs filled from this rank's own tensors); where it has none (a receive, an
-    object broadcast), the outputs as they are."""
+    object broadcast, outputs it cannot fill), the outputs as they are."""
     loop = Loopback(group.rank(), group.size(), own_broadcasts=True)
     try:
         return getattr(loop, name)(*args, **kwargs)
-    except MigrationError:
+    except Exception:  # refused (MigrationError), or outputs it cannot fill in place
         return Loopback._done(args[0] if args else None)
 
 

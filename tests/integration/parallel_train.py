@@ -55,9 +55,23 @@ class StepData:
         self.step = int(state["step"])
 
 
+class Forwards(nn.Module):
+    """Counts its forwards in a buffer (as BatchNorm counts its batches): a step run
+    twice must count once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("forwards", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.forwards += 1
+        return x
+
+
 def build() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4), Forwards())
 
 
 def wrap(layout: str, model: nn.Module, world: int, per_node: int) -> tuple[nn.Module, int, int]:

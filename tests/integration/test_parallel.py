@@ -1,16 +1,17 @@
-"""Jobs wrapped by torch's own parallelism (``tmd.runtime.parallel``): a machine of two
-ranks of a DDP, an FSDP2 and a tensor-parallel job migrates live to a standby
-machine through the real session and ``JobController`` (HSDP's live migration is
-``test_bench_downtime``'s); a lost machine of an FSDP2 job (no replica of its
-shards) rolls the job back to its sharded checkpoint. Every rank of the job ends
-where an unsharded copy of the model, trained on the same batches, does.
+"""Jobs wrapped by torch's own parallelism (``tmd.runtime.parallel``), through the real
+session and ``JobController``: a machine of two ranks of a DDP, an FSDP2 and a
+tensor-parallel job migrates live to a standby machine (HSDP's live migration is
+``test_bench_downtime``'s); a machine of a DDP and of an HSDP job dies inside a step
+and a standby machine takes its ranks from their replicas, the step run again; a
+lost machine of an FSDP2 job (no replica of its shards) rolls the job back to its
+sharded checkpoint. Every rank of the job ends where an unsharded copy of the model,
+trained on the same batches, does, buffers included.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,14 +26,6 @@ NPROC = 4
 PER_NODE = 2
 ACK_TIMEOUT = timedelta(seconds=60)
 JOB_TIMEOUT = timedelta(seconds=150)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[object]]:
-    started: list[object] = []
-    yield started
-    for job in started:
-        job.terminate()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])

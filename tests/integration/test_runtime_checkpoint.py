@@ -10,7 +10,6 @@ recomputed after the rollback are the very same steps.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,14 +36,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     job = run_job(out, nproc=NPROC, steps=STEPS, extra=["--sleep", "0"])
     assert set(job.wait(JOB_TIMEOUT).values()) == {0}
     return out
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[Any]]:
-    started: list[Any] = []
-    yield started
-    for job in started:
-        job.terminate()
 
 
 def _start(out: Path, jobs: list[Any], *, standby: int, kill: list[int]) -> Any:

@@ -8,7 +8,6 @@ the same loss at every (rank, step).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,14 +31,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     job = run_job(out, nproc=NPROC, nproc_per_node=PER_NODE, steps=STEPS, extra=["--no-noise"])
     assert set(job.wait(JOB_TIMEOUT).values()) == {0}
     return out
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[object]]:
-    started: list[object] = []
-    yield started
-    for job in started:
-        job.terminate()  # type: ignore[attr-defined]
 
 
 def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -84,11 +85,12 @@ def guarded() -> Iterator[tuple[swap_group.Guard, Inner, list[BaseException]]]:
     reported: list[BaseException] = []
     seen = threading.Event()
 
-    def report(error: BaseException) -> None:
+    def report(error: BaseException, generation: int) -> None:
+        assert generation == 0
         reported.append(error)
         seen.set()
 
-    guard = swap_group.Guard(report)
+    guard = swap_group.Guard(report, 0)
     guard.seen = seen  # type: ignore[attr-defined]
     swap_group.guard_with(guard)
     guard.armed = True
@@ -122,16 +124,46 @@ def test_a_failed_collective_is_answered_locally_kept_and_reported_once(guarded:
 def test_a_hanging_collective_ends_when_a_failure_elsewhere_is_reported(guarded: Any) -> None:
     guard, inner, reported = guarded
     work = dist.all_reduce(torch.ones(2), async_op=True)
-    threading.Timer(0.1, lambda: guard.fail(RuntimeError("elsewhere"), report=False)).start()
+    elsewhere = threading.Timer(0.1, lambda: guard.fail(RuntimeError("elsewhere"), 0,
+                                                        report=False))  # fmt: skip
+    elsewhere.start()
     work.wait()
     assert str(guard.error) == "elsewhere" and reported == []  # its reporter already told
-    guard.reset()
+    assert not guard.drain(timedelta(seconds=0.05))  # the abandoned work still runs
+    guard.reset(1)
     inner.futures[0].set_exception(RuntimeError("late"))  # the abandoned one, failing late
+    guard.fail(RuntimeError("a report about generation 0, late"), 0)
     assert guard.error is None
     fresh = dist.all_reduce(torch.ones(2), async_op=True)
     inner.futures[1].set_result([torch.ones(2)])
     fresh.wait()
     assert inner.calls == 2 and guard.error is None
+
+
+def test_reset_answers_what_the_failed_step_never_waited_for_and_drain_waits_for_it(
+    guarded: Any,
+) -> None:
+    guard, inner, _ = guarded
+    never_waited = dist.all_reduce(torch.ones(2), async_op=True)
+    guard.reset(1)  # a failure seen only in the votes: this one was never waited on
+    never_waited.wait()  # answered locally, not left hanging
+    assert not guard.drain(timedelta(seconds=0.05))  # its inner work has not ended
+    inner.futures[0].set_exception(RuntimeError("Connection closed by peer"))
+    assert guard.error is None  # an old generation's failure
+    inner.futures.append(torch.futures.Future())
+    assert guard.drain(timedelta(seconds=0))  # forgotten by the last drain
+
+
+def test_an_answer_that_cannot_be_made_still_completes_the_collective(guarded: Any) -> None:
+    """A failure must release every waiter, even where the local answer fails."""
+    guard, inner, _ = guarded
+    out = torch.ones(4, 4).t()  # not contiguous: the answer's view of it raises
+    inner.all_gather_single = lambda *_: FutureWork(torch.futures.Future())  # type: ignore[attr-defined]
+    group: Any = dist.group.WORLD
+    work = group.all_gather_single(out, torch.ones(16))
+    guard.fail(RuntimeError("Connection closed by peer"), 0)
+    work.wait()
+    assert guard.error is not None
 
 
 def test_a_work_without_a_future_is_waited_for_on_a_thread(guarded: Any) -> None:

@@ -252,8 +252,8 @@ def worker(argv: list[str]) -> int:
             )
             doomed = env.role == "worker" and env.rank in args.kill_rank and step == args.at_step
             if doomed and args.parallel:
-                # Mid-step for a wrapped job: its gradients are reduced inside backward,
-                # where the survivors' collectives now fail.
+                # Mid-step for a wrapped job, before its backward: its gradients are
+                # reduced inside backward, where the survivors' collectives now fail.
                 _die(args.out, env.rank)
             loss.backward()  # type: ignore[no-untyped-call]
             slowed = args.slow_node in (env.node, env.slot)
@@ -617,7 +617,8 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
     """The job wrapped for ``args.layout`` on machines of ``--nproc-per-node`` ranks:
     ``worker1`` moved live, the job checkpoint-restarted (its checkpoint sharded,
     written and read by every rank) and, where its state has replicas (HSDP, DDP),
-    ``worker1`` lost whole mid-backward, each against a reference run of the same
+    ``worker1`` lost whole after its forward (the survivors' collectives then fail
+    inside their backward), each against a reference run of the same
     layout. FSDP2 on one dimension and tensor parallelism hold no replica of a lost
     machine's shards: a loss rolls the job back, as checkpoint-restart measures."""
     k, layout = args.nproc_per_node, args.layout
@@ -637,7 +638,7 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
     failover: dict[str, Any] = {"replica": False, "reason": NO_REPLICA}
     failover_fields: dict[str, Any] = {"failover_downtime_s": None}
     if layout in REPLICATED:
-        progress.say(f"{layout}: failover (worker1's {k} processes killed mid-backward)")
+        progress.say(f"{layout}: failover (worker1's {k} processes killed before backward)")
         failover = _failover(out / "failover", args, per_node=k)
         failover["ratio_checkpoint_restart_vs_noise"] = measure.ratio(
             restart["downtime_s"], measure.worst(failover), noise
