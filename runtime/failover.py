@@ -106,6 +106,10 @@ class Recovery:
     """Building the next generation's group."""
     change: Reconfiguration
     """This survivor's place in the next generation's group."""
+    prefix: str = ""
+    """Where the survivors agreed (``liveness.fail_prefix``)."""
+    survivors: tuple[int, ...] = ()
+    """The ranks that survived (the plan's donors among them)."""
 
     def describe(self) -> str:
         return ", ".join(f"{lost} replaced by {new}" for lost, new in self.swaps.items())
@@ -391,11 +395,30 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
     sent = time.monotonic()
     group, inner = _build(session, prefix, me, session.world_size)
     built = time.monotonic()
+    dead = {int(r) for r, *_ in plan["ranks"]}
     return Recovery(
         id=plan["id"], swaps=dict(plan["swaps"]), reports=me == plan["reporter"],
         detect_s=detect_s, transfer_s=sent - started, build_s=built - sent,
-        change=Reconfiguration(group, after, rank=me, inner=inner),
+        change=Reconfiguration(group, after, rank=me, inner=inner), prefix=prefix,
+        survivors=tuple(r for r in range(session.world_size) if r not in dead),
     )  # fmt: skip
+
+
+def settle_drain(session: Session, recovery: Recovery, drained: bool) -> bool:
+    """Every survivor's word on whether the failed step's collectives have ended on
+    it (``swap_group.Guard.drain``), through the store: the step runs again only where
+    all did, else every survivor gives up alike."""
+    store, key = session.store, f"{recovery.prefix}/drained"
+    if not drained:
+        put(store, f"{key}/no", str(session.rank).encode())
+    store.add(key, 1)
+    cfg = session.config
+    deadline = time.monotonic() + (cfg.group_timeout + cfg.detect_timeout).total_seconds()
+    while int(store.add(key, 0)) < len(recovery.survivors):
+        if store.check([f"{key}/no"]) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return not store.check([f"{key}/no"])
 
 
 def _build(
@@ -442,6 +465,18 @@ def _small_for(session: Session, rank: int) -> dict[str, Any]:
     return small
 
 
+def take_plan(store: Store, slot: str) -> dict[str, Any] | None:
+    """The failover plan addressed to standby ``slot``, once: the key goes as it is
+    read, so a later process of the slot does not act on it."""
+    key = plan_key(slot)
+    if not store.check([key]):
+        return None
+    plan: dict[str, Any] = json.loads(bytes(store.get(key)))
+    with contextlib.suppress(RuntimeError):
+        store.delete_key(key)
+    return plan
+
+
 def failover_rank(plan: dict[str, Any], env: RuntimeEnv) -> int:
     """The lost rank a failover plan gives this standby slot."""
     mine = [r for r, _, node, lr in plan["ranks"] if node == env.node and lr == env.local_rank]
@@ -455,8 +490,6 @@ def take_over(session: Session, plan: dict[str, Any]) -> Reconfiguration:
     wrapped job, with the next inner groups: ``tmd.runtime.parallel``)."""
     cfg, env, store = session.config, session.env, session.store
     prefix = plan["prefix"]
-    with contextlib.suppress(RuntimeError):  # taken: a later process of this slot starts clean
-        store.delete_key(plan_key(env.slot))
     pair = make_group(store, f"{prefix}/xfer/{failover_rank(plan, env)}", rank=1, size=2,
                       timeout=cfg.group_timeout, backend="gloo", host=env.host)  # fmt: skip
     channel = TransferChannel(pair, is_leaver=False)

@@ -56,7 +56,6 @@ covered yet: NCCL (see ``swap_group``). Tested with torch 2.13.0 on gloo and the
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,7 +69,7 @@ from tmd.runtime import swap_group
 from tmd.runtime.commands import AckKind
 from tmd.runtime.control import ControlChannel, Sink, open_control
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.failover import failover_rank, plan_key, take_over
+from tmd.runtime.failover import failover_rank, take_over, take_plan
 from tmd.runtime.group import GroupBuilder, connect_store
 from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Reconfiguration
@@ -184,11 +183,11 @@ class _Waiting:
         announce(self, "ready")
         poll = min(self.config.control_poll.total_seconds(), 0.01)
         place = Place(self._control, self.sink, self.warmup_s, self.seen)
-        plan = plan_key(self.env.slot)
         while not self._control.stopped():
-            if self.store.check([plan]):  # a machine was lost: take its rank of this slot
-                place.failover = json.loads(bytes(self.store.get(plan)))
-                place.failover_rank = failover_rank(place.failover, self.env)
+            plan = take_plan(self.store, self.env.slot)
+            if plan is not None:  # a machine was lost: take its rank of this slot
+                place.failover = plan
+                place.failover_rank = failover_rank(plan, self.env)
                 announce(self, "joining")
                 return place
             for message in self._control.poll():

@@ -66,6 +66,7 @@ from tmd.runtime.failover import (
     give_up,
     recover,
     report_failure,
+    settle_drain,
     wrapped_failure,
 )
 from tmd.runtime.group import Group, connect_store, make_group
@@ -142,7 +143,7 @@ class Session:
         self._guard: swap_group.Guard | None = None  # a wrapped worker's
         self._replicas: list[frozenset[int]] | None = None
         self._layout: dict[str, Any] | None = None
-        self._boundary_buffers: list[torch.Tensor] = []
+        self._boundary_buffers: dict[str, torch.Tensor] = {}
         self.excluded: list[str] = []
         """Machines a ``Restart`` asked this job to go on without (in its status)."""
         self._control = control
@@ -516,15 +517,19 @@ class Session:
         except Replaced:  # this process's machine was counted lost: out of the job
             self.commands.left = True
             return False
+        # The guard first: a failure of the new generation reported as soon as
+        # Presence follows it (in reconfigure) must count.
+        guard.reset(recovery.change.membership.generation)
         self.reconfigure(recovery.change)
-        guard.reset(self._membership.generation)
         # The failed step's collectives may still run on the old groups, on tensors
         # the wrapper uses again (DDP's buckets): the step runs again only once they
-        # have ended (a dead peer ends them at once; a hang, at the groups' timeout;
-        # gloo's abort does not stop them).
-        if not guard.drain(self.config.group_timeout):
+        # have ended on every survivor (they end soon where a member is dead; where
+        # one hangs, at the group timeout).
+        drained = guard.drain(self.config.group_timeout)
+        if not settle_drain(self, recovery, drained):
             give_up(self, recovery.id, "the failed step's collectives did not end within "
-                    f"the group timeout ({self.config.group_timeout})", failure)  # fmt: skip
+                    f"the group timeout ({self.config.group_timeout}) on every survivor",
+                    failure)  # fmt: skip
         self.publish_status()
         self._failovers.append(recovery)
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -535,10 +540,13 @@ class Session:
         return False
 
     def _restore_buffers(self) -> None:
+        """Put the model's buffers back as the step found them (by name; a buffer made
+        during the step, or reshaped, stays as it is)."""
         with torch.no_grad():
-            for buffer, kept in zip(self.state.model.buffers(), self._boundary_buffers,
-                                    strict=False):  # fmt: skip
-                buffer.copy_(kept)
+            for name, buffer in self.state.model.named_buffers():
+                kept = self._boundary_buffers.get(name)
+                if kept is not None and kept.shape == buffer.shape and kept.dtype == buffer.dtype:
+                    buffer.copy_(kept)
 
     def member_failed(self) -> bool:
         """Has a member of the current generation reported a failed collective?"""
@@ -658,12 +666,15 @@ class Session:
         }
         if self.wrapped:  # what a failover's redo of the next step starts from
             self.boundary_rng = rng_state()
-            buffers = [b.detach() for b in self.state.model.buffers()]
-            if [b.shape for b in buffers] != [b.shape for b in self._boundary_buffers]:
-                self._boundary_buffers = [b.clone() for b in buffers]
-            else:
-                for kept, b in zip(self._boundary_buffers, buffers, strict=True):
-                    kept.copy_(b)
+            kept, self._boundary_buffers = self._boundary_buffers, {}
+            with torch.no_grad():
+                for name, buffer in self.state.model.named_buffers():
+                    copy_ = kept.get(name)
+                    if copy_ is None or copy_.shape != buffer.shape or copy_.dtype != buffer.dtype:
+                        copy_ = buffer.detach().clone()
+                    else:
+                        copy_.copy_(buffer)
+                    self._boundary_buffers[name] = copy_
 
     # -- outbound ----------------------------------------------------------------------
 

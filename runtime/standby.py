@@ -27,7 +27,6 @@ exists and the rest in its session, and cannot go back to standing by
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from tmd.errors import MigrationError
 from tmd.runtime.commands import AckKind
 from tmd.runtime.control import STATUS_KEY, ControlChannel, register_standby
 from tmd.runtime.env import RuntimeEnv
-from tmd.runtime.failover import failure_reported, plan_key, take_over
+from tmd.runtime.failover import failure_reported, take_over, take_plan
 from tmd.runtime.group import GroupBuilder
 from tmd.runtime.liveness import Heartbeat
 from tmd.runtime.membership import Membership, Reconfiguration
@@ -88,12 +87,12 @@ def stand_by(session: Session) -> Reconfiguration | None:
     announce(session, "ready")
     # The standby has nothing else to do: poll often, a failover waits on it.
     poll = min(session.config.control_poll.total_seconds(), 0.01)
-    plan = plan_key(session.env.slot)
     while True:
         if session.control.stopped():
             return None
-        if session.store.check([plan]):
-            return take_over(session, json.loads(bytes(session.store.get(plan))))
+        plan = take_plan(session.store, session.env.slot)
+        if plan is not None:
+            return take_over(session, plan)
         for message in session.control.poll():
             if not isinstance(message, wire.Prepare) or message.joiner != session.env.node:
                 continue
@@ -265,6 +264,9 @@ def _follow(session: Session, channel: TransferChannel) -> _Arrived | None:
         received = time.monotonic()
         if header.kind is Kind.GRADS:
             model_buffers = state.buffer_tensors()
+            if not isinstance(payload, dict) or "buffers" not in payload:
+                raise MigrationError("the leaver's lock-step message lacks the model's "
+                                     "buffers: it runs another version of tmd")  # fmt: skip
             if payload["buffers"] != len(model_buffers):
                 raise MigrationError(f"the leaver's model has {payload['buffers']} buffers, "
                                      f"this joiner's {len(model_buffers)}")  # fmt: skip

@@ -563,10 +563,18 @@ class Guard:
     failure elsewhere in the job leaves hanging, raises nothing inside the wrapper's
     code, which would end the user's loop: it completes with this rank's own tensors
     (``Loopback``'s answer), the failure is kept in ``error``, and every later
-    collective is answered the same way, off the network, until the session has
-    recovered and calls ``reset`` for the next generation. The step's numbers are
-    disposable: the session undoes the step and runs it again on the next
-    generation's groups (``tmd.runtime.failover``).
+    collective is answered the same way at once, until the session has recovered and
+    calls ``reset`` for the next generation. The step's numbers are disposable: the
+    session undoes the step and runs it again on the next generation's groups
+    (``tmd.runtime.failover``).
+
+    After a failure the later collectives are still issued on the old groups, their
+    answers not waited for: a survivor that stopped issuing them would leave another
+    survivor's matching collective waiting for it until the group's timeout. Each
+    then ends soon, failing where it meets the lost member, or completing among the
+    survivors. They run on the step's tensors, which the wrapper may use again (DDP's
+    buckets), so the session runs the step again only once ``drain`` saw every one
+    of them end (gloo's ``abort`` does not stop them).
 
     A failure elsewhere comes through ``fail`` from the worker's ``Presence`` thread
     (in a ring, a collective hangs on the ranks not next to the dead one); a failure
@@ -574,9 +582,7 @@ class Guard:
     stop waiting), on a thread of its own: ``fail`` may run on a backend's callback
     thread. A failure is counted only for the generation it happened in: a
     collective of a failed step that fails late, or a report that arrives after the
-    session moved on, changes nothing. The works a failure abandoned stay in
-    ``abandoned`` until ``drain``: they still run on the old groups, on the step's
-    tensors, until those groups are aborted."""
+    session moved on, changes nothing."""
 
     def __init__(self, report: Callable[[BaseException, int], None], generation: int) -> None:
         self.armed = False
@@ -584,71 +590,68 @@ class Guard:
         self.failed_at = 0.0
         """When ``error`` was set (``time.monotonic``)."""
         self.generation = generation
-        self.abandoned: list[Any] = []
-        """The inner works a failure left running."""
         self._report = report
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        self._abandoned: list[_Pending] = []
         self._waits: queue.SimpleQueue[_Pending | None] | None = None
 
     def run(self, group: SwappableGroup, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:  # fmt: skip
         """``group``'s collective ``name`` on its inner group, as a work that never
         fails."""
-        if self.error is not None:
-            return _answer(group, name, args, kwargs)
         generation = self.generation
         try:
             work = getattr(group.inner, name)(*args, **kwargs)
         except RuntimeError as exc:  # a broken group may refuse at once
             self.fail(exc, generation)
             return _answer(group, name, args, kwargs)
-        try:
-            source: torch.futures.Future[Any] | None = work.get_future()
-        except RuntimeError:  # gloo's reduce_scatter_single has none: waited for
-            source = None
         pending = _Pending(generation, work, group, name, args, kwargs)
         with self._lock:
             failed = self.error is not None or generation != self.generation
             if failed:
-                self.abandoned.append(work)
+                self._abandoned.append(pending)
             else:
                 self._pending[id(pending)] = pending
-        if failed:  # it failed in between: nobody will complete this one
+        self._watch(pending)
+        if failed:  # answered at once; it runs on, and ``drain`` waits for its end
             return _answer(group, name, args, kwargs)
-        if source is None:
-            self._wait_for(pending)
-        else:
-            source.add_done_callback(lambda f: self._done(pending, f.value))
         return _create_work_from_future(pending.future)
 
-    def _done(self, pending: _Pending, value: Callable[[], Any]) -> None:
-        """``pending``'s collective completed: ``value()`` is its result, or raises its
-        error."""
+    def _watch(self, pending: _Pending) -> None:
+        """Call ``_done`` once ``pending``'s work ends: from its future's callback, or
+        (gloo's reduce-scatters have no future, and report complete only once waited
+        on) from this generation's waiter thread, in the order they were issued."""
         try:
-            result = value()
-        except Exception as exc:  # the collective failed
-            self.fail(exc, pending.generation)
+            source: torch.futures.Future[Any] = pending.work.get_future()
+        except RuntimeError:
+            with self._lock:
+                if self._waits is None:
+                    self._waits = queue.SimpleQueue()
+                    threading.Thread(target=self._waiter, args=(self._waits,), daemon=True,
+                                     name="tmd-guard-wait").start()  # fmt: skip
+                self._waits.put(pending)
             return
-        with self._lock:
-            if self._pending.pop(id(pending), None) is None:
-                return  # completed by ``fail`` or ``reset`` already
-        pending.future.set_result(result)
-
-    def _wait_for(self, pending: _Pending) -> None:
-        """Wait for a work without a future (gloo reports it complete only once waited
-        on) on this generation's waiter thread, in the order they were issued; a
-        failure's abandoned works keep the old generation's thread."""
-        with self._lock:
-            if self._waits is None:
-                self._waits = queue.SimpleQueue()
-                threading.Thread(target=self._waiter, args=(self._waits,), daemon=True,
-                                 name="tmd-guard-wait").start()  # fmt: skip
-            self._waits.put(pending)
+        source.add_done_callback(lambda f: self._done(pending, f.value))
 
     def _waiter(self, waits: queue.SimpleQueue[_Pending | None]) -> None:
         while (pending := waits.get()) is not None:
             self._done(pending, lambda p=pending: _waited(p))  # type: ignore[misc]
+
+    def _done(self, pending: _Pending, value: Callable[[], Any]) -> None:
+        """``pending``'s collective ended: ``value()`` is its result, or raises its
+        error."""
+        try:
+            result = value()
+        except Exception as exc:  # the collective failed
+            pending.ended.set()
+            self.fail(exc, pending.generation)
+            return
+        pending.ended.set()
+        with self._lock:
+            if self._pending.pop(id(pending), None) is None:
+                return  # completed by ``fail`` or ``reset`` already
+        pending.future.set_result(result)
 
     def fail(self, error: BaseException, generation: int, *, report: bool = True) -> None:
         """The step of ``generation`` failed (ignored if the guard moved on): complete
@@ -659,7 +662,7 @@ class Guard:
                 return
             self.error, self.failed_at = error, time.monotonic()
             pending, self._pending = list(self._pending.values()), {}
-            self.abandoned += [p.work for p in pending]
+            self._abandoned += pending
         _complete(pending)
         if report:
             threading.Thread(target=self._report, args=(error, generation), daemon=True,
@@ -673,33 +676,31 @@ class Guard:
             self.generation = generation
             self.error = None
             pending, self._pending = list(self._pending.values()), {}
-            self.abandoned += [p.work for p in pending]
+            self._abandoned += pending
             waits, self._waits = self._waits, None
         _complete(pending)
         if waits is not None:
             waits.put(None)  # its thread ends after the works queued before
 
     def drain(self, timeout: timedelta) -> bool:
-        """Wait up to ``timeout`` for every abandoned work to end (call it once their
-        groups are aborted); whether all did. Forgets them either way."""
+        """Wait up to ``timeout`` for every abandoned collective to end; whether all
+        did. Forgets them either way."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._lock:
-            works, self.abandoned = self.abandoned, []
-        while not all(w.is_completed() for w in works):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+            abandoned, self._abandoned = self._abandoned, []
+        return all(p.ended.wait(max(0.0, deadline - time.monotonic())) for p in abandoned)
 
 
 class _Pending:
-    """A collective issued through the guard, not yet complete."""
+    """A collective issued through the guard, until it ends."""
 
     def __init__(self, generation: int, work: Any, group: SwappableGroup, name: str,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # fmt: skip
         self.generation, self.work, self.group, self.name = generation, work, group, name
         self.args, self.kwargs = args, kwargs
         self.future: torch.futures.Future[Any] = torch.futures.Future()
+        self.ended = threading.Event()
+        """The inner work ended (completed or failed)."""
 
 
 def _complete(pending: list[_Pending]) -> None:
@@ -709,7 +710,7 @@ def _complete(pending: list[_Pending]) -> None:
         try:
             value = _answer(p.group, p.name, p.args, p.kwargs).get_future().value()
         except Exception:  # an answer it could not make: the outputs as they are
-            value = None
+            value = p.args[0] if p.args else None
         with contextlib.suppress(RuntimeError):  # completed already
             p.future.set_result(value)
 

@@ -7,8 +7,11 @@ Every message is a fixed header ``[kind, step, nbytes]`` followed by a payload o
   the next group.
 - ``SNAPSHOT``: the bulk state (parameters, buffers, optimizer tensors) as of
   ``step``, sent from the live tensors; the payload is the optimizer manifest.
-- ``GRADS``: the averaged gradients and optimizer hyper-parameters of ``step``; the
-  joiner applies the same update, so its bulk stays bit-identical to the leaver's.
+- ``GRADS``: the averaged gradients (a wrapped model's: this rank's shards, clipped),
+  then the model's buffers as the step's forward left them; the payload is
+  ``{"hyperparams", "buffers": count, "has_grad" (wrapped)}``. The joiner applies the
+  same update and takes the buffers, so its bulk stays bit-identical to the
+  leaver's.
 - ``SWITCH``: the small state at the switch boundary.
 - ``ABORT``: the migration is off; the joiner goes back to standing by.
 

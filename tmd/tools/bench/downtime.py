@@ -217,12 +217,13 @@ def worker(argv: list[str]) -> int:
     cold = args.mode == "cold"
     config = SessionConfig(shadow_steps=0 if cold else 2, prepare_ahead=not cold)
     tokens = _text_tokens()
-    if args.parallel:
-        # A standby, having loaded what needs no rank, waits here until a migration
-        # names the rank it takes.
-        parallel.init(config=config, env=env)
     torch.manual_seed(0)
     model = _gpt(args.d, args.layers, 8, args.ctx)
+    if args.parallel:
+        # A standby, having loaded and built what needs no rank (the data, the model
+        # unwrapped), waits here until a migration or a failover names the rank it
+        # takes; only the wrapping waits for it.
+        parallel.init(config=config, env=env)
     dp_rank, dp_size = env.rank, env.world_size
     if args.parallel:
         model, dp_rank, dp_size = _wrap(model, args.parallel, env.world_size,
