@@ -97,7 +97,7 @@ async def reconnect_forever(
         try:
             await session()
         except errors as exc:
-            if _cancelling():
+            if cancelling():
                 # The session was cancelled, and aiomqtt's disconnect on the way out
                 # timed out: the error replaced the CancelledError, which must not be
                 # lost (the loop would reconnect, and its task group wait forever).
@@ -112,6 +112,11 @@ async def reconnect_forever(
         await asyncio.sleep(backoff.next())
 
 
-def _cancelling() -> bool:
+def cancelling() -> bool:
+    """Is the current task being cancelled? A library that turns the CancelledError
+    into an error of its own (aiomqtt, when a publish or disconnect is interrupted)
+    makes ``except Exception`` swallow a cancellation: such a handler re-raises
+    ``CancelledError`` where this holds, or its loop runs on and its task group never
+    ends."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0

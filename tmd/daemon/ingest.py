@@ -26,7 +26,7 @@ import aiomqtt
 from tmd import log, wire
 from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
-from tmd.connection import ClientFactory, reconnect_forever
+from tmd.connection import ClientFactory, cancelling, reconnect_forever
 from tmd.daemon.bus import Bus
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
@@ -218,6 +218,8 @@ class Ingest:
                 try:
                     await client.publish(self.probe_topic, payload, qos=0)
                 except Exception as exc:  # never ends the daemon: the view goes stale
+                    if cancelling():  # aiomqtt's error in place of the cancellation
+                        raise asyncio.CancelledError from exc
                     self._log.debug("probe not sent", error=str(exc))
             lag = self.freshness.lag_s(now)
             self._metrics.ingest_lag.set(lag if math.isfinite(lag) else -1.0)

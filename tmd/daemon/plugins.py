@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 from tmd import config as config_mod
 from tmd import log
 from tmd.clock import Clock
+from tmd.connection import cancelling
 from tmd.daemon import events
 from tmd.daemon.bus import Bus, Subscription
 from tmd.daemon.metrics import Metrics
@@ -181,7 +182,9 @@ class Runner:
                     await self._serve(plugin, sub)
                 except asyncio.CancelledError:
                     raise
-                except Exception:
+                except Exception as exc:
+                    if cancelling():  # a library's error in place of the cancellation
+                        raise asyncio.CancelledError from exc
                     self.up = False
                     up.set(0)
                     self.restarts += 1

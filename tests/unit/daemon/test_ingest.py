@@ -331,3 +331,24 @@ def test_only_this_daemon_s_own_probe_says_its_view_is_current() -> None:
     assert not ingest.freshness.stale(now) and ingest.freshness.fresh_since == now
     ingest.handle(ingest.probe_topic, f"{now!r} {nonce}".encode())  # a replay: once only
     assert ingest.freshness.fresh_since == now
+
+
+async def test_a_cancelled_probe_ends_where_the_client_turns_the_cancel_into_an_error() -> None:
+    """aiomqtt raises its own error when a publish is interrupted: ``except Exception``
+    must not swallow the cancellation (the daemon's task group would wait forever)."""
+    import asyncio
+
+    class Client:
+        async def publish(self, *_: Any, **__: Any) -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                raise aiomqtt.MqttError("Operation timed out") from None
+
+    ingest, *_ = make_ingest()
+    ingest._client_now = Client()  # type: ignore[assignment]
+    probe = asyncio.create_task(ingest.probe())
+    await asyncio.sleep(0.05)
+    probe.cancel()
+    done, _ = await asyncio.wait([probe], timeout=5)
+    assert done == {probe} and probe.cancelled()
