@@ -153,6 +153,8 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--slow-s", type=float, default=0.0, help="seconds added to each step")
     parser.add_argument("--slow-from", type=int, default=0, help="from this step on")
     parser.add_argument("--stop-key", default="", help="store key holding the last step")
+    parser.add_argument("--start-key", default="",
+                        help="store key every rank waits for before its first step")  # fmt: skip
     # `tmd bench faults`: paced steps (sleeping changes no number) and a digest of the
     # final parameters to compare runs by.
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds slept after each step")
@@ -244,6 +246,10 @@ def worker(argv: list[str]) -> int:
         if args.mode == "resume":
             load_checkpoint(s, args.out.parent / "checkpoint")
             record["t_loaded"] = time.time()
+        if args.start_key and s.role == "worker":
+            # Until the bench saw its standby ready: under load a job of a few short
+            # steps could otherwise end before the standby it is to move to is up.
+            s.store.wait([args.start_key], timedelta(minutes=10))
         for step in s.steps(args.steps):
             idx = torch.tensor(sampler.next_batch())
             batch = tokens[(idx * window).unsqueeze(1) + torch.arange(window)]
@@ -371,11 +377,14 @@ def _migration(
     from tmd.runtime import JobController
 
     mid = "m-cold" if cold else "m-live"
-    extra = ["--steps", "1000000", "--stop-key", STOP_KEY] if held else []
+    extra = ["--start-key", START_KEY]
+    extra += ["--steps", "1000000", "--stop-key", STOP_KEY] if held else []
     job = _job(out, args, per_node=per_node, standby=1, mode="cold" if cold else "plain",
                extra=extra)  # fmt: skip
     try:
         ctl = JobController(job.store, job=JOB)
+        ctl.wait_standbys("standby0", timeout=timedelta(minutes=10))
+        job.store.set(START_KEY, "1")
         _wait_step(job, args.prepare_at)
         t_prepare = time.time()
         ctl.prepare(mid, leaver="worker1", joiner="standby0")
@@ -667,6 +676,8 @@ def _layout(out: Path, args: argparse.Namespace, progress: Progress) -> dict[str
 
 
 STOP_KEY = "bench/stop"
+START_KEY = "bench/start"
+"""Set once the standby machine is ready; the ranks of a migration run wait for it."""
 AFTER_SWITCH = 4
 """A held live run stops this many steps past its switch, or at ``--steps``."""
 SPARE_STEPS = 40
