@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -81,6 +82,7 @@ from tmd.runtime.env import RuntimeEnv, slot_name
 from tmd.runtime.group import Group, make_group
 from tmd.runtime.liveness import fail_prefix, present, wake
 from tmd.runtime.membership import Membership, Reconfiguration
+from tmd.runtime.swap_group import Op
 from tmd.runtime.transfer import Kind, TransferChannel
 
 if TYPE_CHECKING:
@@ -402,6 +404,49 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
         change=Reconfiguration(group, after, rank=me, inner=inner), prefix=prefix,
         survivors=tuple(r for r in range(session.world_size) if r not in dead),
     )  # fmt: skip
+
+
+STUCK_GRACE_S = 0.5
+"""How long a collective of a failed step runs on after nothing can reach it any more
+before it is let go (data already on its way lands within it)."""
+
+
+def running_elsewhere(session: Session, recovery: Recovery) -> Callable[[set[Op]], bool]:
+    """For ``Guard.drain``: whether this survivor's collectives of the failed step that
+    still run on the old groups can receive nothing more. Each survivor publishes
+    those it still runs through the store; one whose every other surviving member has
+    ended its own side (a lost member sends nothing) waits in vain for data no
+    member will send: in a ring, a survivor whose neighbour failed that collective
+    and went on, until the group's timeout. Such a collective is let go once it has
+    been so for ``STUCK_GRACE_S``; it ends, failing, at the group's timeout, on a
+    generation the guard has left. Every survivor reads the others only once it
+    published, which it does once its failed step's collectives were all issued."""
+    store, me = session.store, session.rank
+    key = f"{recovery.prefix}/running"
+    others = [r for r in recovery.survivors if r != me]
+    published: list[set[Op] | None] = [None]
+    stuck_since: dict[Op, float] = {}
+
+    def settled(running: set[Op]) -> bool:
+        if running != published[0]:
+            put(store, f"{key}/{me}", json.dumps(sorted(running)).encode())
+            published[0] = running
+        if not running:
+            return True
+        if not store.check([f"{key}/{r}" for r in others]):
+            return False
+        theirs = {r: {(tuple(g), n) for g, n in json.loads(bytes(store.get(f"{key}/{r}")))}
+                  for r in others}  # fmt: skip
+        now = time.monotonic()
+        for op in running:
+            members = set(op[0])
+            if any(op in theirs[r] for r in others if not members or r in members):
+                stuck_since.pop(op, None)  # a member still runs it: it may send
+            else:
+                stuck_since.setdefault(op, now)
+        return all(op in stuck_since and now - stuck_since[op] >= STUCK_GRACE_S for op in running)
+
+    return settled
 
 
 def settle_drain(session: Session, recovery: Recovery, drained: bool) -> bool:

@@ -66,6 +66,7 @@ from tmd.runtime.failover import (
     give_up,
     recover,
     report_failure,
+    running_elsewhere,
     settle_drain,
     wrapped_failure,
 )
@@ -78,8 +79,10 @@ from tmd.runtime.state import (
     Stateful,
     TrainState,
     bucket_layout,
+    can_rebuild_ddp_buckets,
     ddp_warmup_steps,
     is_dtensor,
+    rebuild_ddp_buckets,
     replicas,
     rng_state,
     set_rng_state,
@@ -127,6 +130,9 @@ class Session:
         self.shadow_steps_done = 0
         # A DDP joiner must have rebuilt its buckets, as the job has, before it joins.
         self._shadow_target = max(self.config.shadow_steps, ddp_warmup_steps(model))
+        self._rebuild_after_shadow = False
+        """A failover's DDP joiner rebuilds its buckets after its one shadow iteration
+        rather than in a second one (they are on the job's critical path)."""
         self.timing = StepTimes()
         self.warmup_s: float | None = None
         self.last_downtime: wire.Downtime | None = None
@@ -198,6 +204,10 @@ class Session:
         if change.median_step_s is not None:
             self.timing.inherit(change.median_step_s)
         self.telemetry.set_rank(self._rank, self._membership.generation)
+        if self._guard is not None and self._guard.generation != change.membership.generation:
+            # A switch (a failover reset it already): failures are counted, reported
+            # and collectives numbered (``Guard.drain``) per generation.
+            self._guard.reset(change.membership.generation)
         if self.wrapped and self._guard is None:
             report_store = connect_store(self.env.store, timeout=self.config.store_timeout)
             self._guard = swap_group.Guard(
@@ -264,9 +274,13 @@ class Session:
                 # The job stopped first, or no migration or failover named it.
                 self.stopped = self._place.prepared is None and self._place.failover is None
                 if self._place.failover is not None:
-                    # A DDP joiner rebuilds its buckets as the job has; nothing else
-                    # needs a shadow iteration before it takes the lost rank's state.
-                    self._shadow_target = ddp_warmup_steps(self.state.model)
+                    # A DDP joiner rebuilds its buckets as the job has (after one
+                    # iteration where it can); nothing else needs a shadow iteration
+                    # before it takes the lost rank's state.
+                    self._rebuild_after_shadow = can_rebuild_ddp_buckets(self.state.model)
+                    self._shadow_target = (
+                        1 if self._rebuild_after_shadow else ddp_warmup_steps(self.state.model)
+                    )
                     parallel.start_failover(self)
                 elif not self.stopped:
                     parallel.start_groups(self, self._place)
@@ -522,10 +536,10 @@ class Session:
         guard.reset(recovery.change.membership.generation)
         self.reconfigure(recovery.change)
         # The failed step's collectives may still run on the old groups, on tensors
-        # the wrapper uses again (DDP's buckets): the step runs again only once they
-        # have ended on every survivor (they end soon where a member is dead; where
-        # one hangs, at the group timeout).
-        drained = guard.drain(self.config.group_timeout)
+        # the wrapper uses again (DDP's buckets): the step runs again only once, on
+        # every survivor, each has ended or waits for data no member will send (it
+        # would end only at the group timeout: ``running_elsewhere``).
+        drained = guard.drain(self.config.group_timeout, running_elsewhere(self, recovery))
         if not settle_drain(self, recovery, drained):
             give_up(self, recovery.id, "the failed step's collectives did not end within "
                     f"the group timeout ({self.config.group_timeout}) on every survivor",
@@ -577,6 +591,10 @@ class Session:
             self.reducer.load(None)
         self.apply_update()
         self.shadow_steps_done += 1
+        if self._rebuild_after_shadow and self.shadow_steps_done >= self._shadow_target:
+            self._rebuild_after_shadow = False
+            if not rebuild_ddp_buckets(self.state.model):
+                self._shadow_target = ddp_warmup_steps(self.state.model)  # as a forward does
         self.timing.mark_step_end(time.monotonic())
 
     # -- timing ------------------------------------------------------------------------

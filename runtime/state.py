@@ -289,6 +289,26 @@ def ddp_warmup_steps(model: torch.nn.Module) -> int:
     return 3 if model.static_graph else 2
 
 
+def can_rebuild_ddp_buckets(model: torch.nn.Module) -> bool:
+    """Can ``rebuild_ddp_buckets`` rebuild this model's buckets after one iteration?"""
+    return (
+        isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        and not model.static_graph
+        and hasattr(getattr(model, "reducer", None), "_rebuild_buckets")
+    )
+
+
+def rebuild_ddp_buckets(model: torch.nn.Module) -> bool:
+    """Rebuild a DDP model's buckets now, in the order its first backward recorded,
+    as its next forward would (the reducer's ``_rebuild_buckets``, which DDP's forward
+    calls; private). True where rebuilt; False where this torch lacks it or there was
+    nothing to rebuild from, and the next forward does it."""
+    if not can_rebuild_ddp_buckets(model) or not model.reducer._rebuild_buckets():  # type: ignore[union-attr,operator]
+        return False
+    model._has_rebuilt_buckets = True  # type: ignore[assignment]  # as its forward records it
+    return True
+
+
 def is_dtensor(value: object) -> bool:
     """Is ``value`` a ``torch.distributed.tensor.DTensor``? (None can exist before
     that module is imported, so a job without one never imports it.)"""

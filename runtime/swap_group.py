@@ -574,7 +574,9 @@ class Guard:
     then ends soon, failing where it meets the lost member, or completing among the
     survivors. They run on the step's tensors, which the wrapper may use again (DDP's
     buckets), so the session runs the step again only once ``drain`` saw every one
-    of them end (gloo's ``abort`` does not stop them).
+    of them end (gloo's ``abort`` does not stop them) or wait for data that no
+    member will send (in a ring, one whose neighbour failed the same collective and
+    went on waits until the group's timeout: ``failover.running_elsewhere``).
 
     A failure elsewhere comes through ``fail`` from the worker's ``Presence`` thread
     (in a ring, a collective hangs on the ranks not next to the dead one); a failure
@@ -595,18 +597,27 @@ class Guard:
         self._pending: dict[int, _Pending] = {}
         self._abandoned: list[_Pending] = []
         self._waits: queue.SimpleQueue[_Pending | None] | None = None
+        self._issued: dict[tuple[int, ...], int] = {}
+        """Collectives issued on each group (by its ``key``) in this generation: the
+        next one's number, the same in every member."""
 
     def run(self, group: SwappableGroup, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:  # fmt: skip
         """``group``'s collective ``name`` on its inner group, as a work that never
         fails."""
-        generation = self.generation
+        if not group.key:
+            group.key = tuple(sorted(dist.get_process_group_ranks(group)))
+        with self._lock:
+            generation = self.generation
+            number = self._issued.get(group.key, 0)
+            self._issued[group.key] = number + 1
         try:
             work = getattr(group.inner, name)(*args, **kwargs)
         except RuntimeError as exc:  # a broken group may refuse at once
             self.fail(exc, generation)
             return _answer(group, name, args, kwargs)
         pending = _Pending(generation, work, group, name, args, kwargs)
+        pending.op = (group.key, number)
         with self._lock:
             failed = self.error is not None or generation != self.generation
             if failed:
@@ -675,6 +686,7 @@ class Guard:
         with self._lock:
             self.generation = generation
             self.error = None
+            self._issued = {}
             pending, self._pending = list(self._pending.values()), {}
             self._abandoned += pending
             waits, self._waits = self._waits, None
@@ -682,13 +694,27 @@ class Guard:
         if waits is not None:
             waits.put(None)  # its thread ends after the works queued before
 
-    def drain(self, timeout: timedelta) -> bool:
-        """Wait up to ``timeout`` for every abandoned collective to end; whether all
-        did. Forgets them either way."""
+    def drain(self, timeout: timedelta, settled: Callable[[set[Op]], bool] | None = None) -> bool:
+        """Wait up to ``timeout`` for every abandoned collective to end or, where
+        ``settled`` is given, for it to say that those still running can receive
+        nothing more (it is called with them, the empty set included, every few
+        milliseconds); whether that came. Forgets them either way."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._lock:
             abandoned, self._abandoned = self._abandoned, []
-        return all(p.ended.wait(max(0.0, deadline - time.monotonic())) for p in abandoned)
+        if settled is None:
+            return all(p.ended.wait(max(0.0, deadline - time.monotonic())) for p in abandoned)
+        while True:
+            if settled({p.op for p in abandoned if not p.ended.is_set()}):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+
+Op = tuple[tuple[int, ...], int]
+"""A collective of a generation, named alike in every member of its group: the
+group's ``key`` and the collective's number on that group (``Guard.run``)."""
 
 
 class _Pending:
@@ -701,6 +727,7 @@ class _Pending:
         self.future: torch.futures.Future[Any] = torch.futures.Future()
         self.ended = threading.Event()
         """The inner work ended (completed or failed)."""
+        self.op: Op = ((), 0)
 
 
 def _complete(pending: list[_Pending]) -> None:

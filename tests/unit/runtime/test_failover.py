@@ -142,3 +142,34 @@ def test_each_lost_rank_gets_a_survivor_holding_what_it_held_or_the_job_rolls_ba
     assert donors(hsdp, ["a"], [2, 3]) == {0: 2, 1: 3}
     fsdp = [{0}, {1}, {2}, {3}]
     assert "lost b, and no survivor holds the shards of its rank 2" in donors(fsdp, ["b"], [0, 1])
+
+
+def test_a_collective_left_waiting_for_a_survivor_that_ended_its_side_is_let_go(
+    store: StoreAddress,
+) -> None:
+    """``running_elsewhere``: survivors 0 and 1 of a world of four. Rank 1's collective
+    0 on the world waits on rank 0's, which ended (a ring whose next member died):
+    let go once rank 0 published, after the grace. Its collective 1 is let go only
+    once rank 0's collective 1, still running there, has ended too. A collective of
+    a group rank 0 is not in waits for nobody alive."""
+    world, pair = (0, 1, 2, 3), (1, 3)
+    recovery = SimpleNamespace(prefix=PREFIX, survivors=(0, 1))
+
+    def survivor(rank: int) -> Any:
+        member = SimpleNamespace(
+            rank=rank, store=connect_store(store, timeout=timedelta(seconds=30))
+        )
+        return failover.running_elsewhere(cast(Session, member), cast(failover.Recovery, recovery))
+
+    zero, one = survivor(0), survivor(1)
+    mine = {(world, 0), (world, 1), (pair, 0)}
+    assert not one(mine)  # rank 0 has not published: it may not have issued them yet
+    assert not zero({(world, 1)})  # rank 0 still runs collective 1 (published)
+    assert not one(mine)  # collective 0 and the pair's: now waiting out the grace
+    time.sleep(failover.STUCK_GRACE_S + 0.1)
+    assert not one(mine)  # collective 1 may still get rank 0's data
+    assert zero(set())  # rank 0's collective 1 ended: nothing left there
+    assert not one(mine)  # collective 1 starts its grace
+    time.sleep(failover.STUCK_GRACE_S + 0.1)
+    assert one(mine)
+    assert one(set())

@@ -226,10 +226,12 @@ def worker(argv: list[str]) -> int:
         # unwrapped), waits here until a migration or a failover names the rank it
         # takes; only the wrapping waits for it.
         parallel.init(config=config, env=env)
+    t_placed = time.time()
     dp_rank, dp_size = env.rank, env.world_size
     if args.parallel:
         model, dp_rank, dp_size = _wrap(model, args.parallel, env.world_size,
                                         env.local_world_size)  # fmt: skip
+    t_wrapped = time.time()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     torch.manual_seed(1 + env.rank)
     window = args.ctx + 1
@@ -239,7 +241,8 @@ def worker(argv: list[str]) -> int:
     t_built = time.time()
     record: dict[str, Any] = {"node": env.node, "local_rank": env.local_rank,
                               "role": env.role, "t_start": t_start,
-                              "t_imported": t_imported, "t_built": t_built,
+                              "t_imported": t_imported, "t_placed": t_placed,
+                              "t_wrapped": t_wrapped, "t_built": t_built,
                               "steps": []}  # fmt: skip
     with session(model, optimizer, stateful={"sampler": sampler}, config=config, env=env) as s:
         record["t_entered"] = time.time()
