@@ -68,6 +68,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -406,53 +407,70 @@ def _replace(session: Session, plan: dict[str, Any], prefix: str, *, detect_s: f
     )  # fmt: skip
 
 
-STUCK_GRACE_S = 0.5
-"""How long a collective of a failed step runs on after nothing can reach it any more
-before it is let go (data already on its way lands within it)."""
+STUCK_GRACE = timedelta(milliseconds=500)
+"""How long the failed step's collectives must have stood still (none ended on any
+survivor) before those that can receive nothing more are let go: data already on
+its way lands within it."""
 
 
-def running_elsewhere(session: Session, recovery: Recovery) -> Callable[[set[Op]], bool]:
+def running_elsewhere(
+    session: Session, recovery: Recovery
+) -> Callable[[dict[Op, tuple[int, ...]]], bool]:
     """For ``Guard.drain``: whether this survivor's collectives of the failed step that
     still run on the old groups can receive nothing more. Each survivor publishes
-    those it still runs through the store; one whose every other surviving member has
-    ended its own side (a lost member sends nothing) waits in vain for data no
-    member will send: in a ring, a survivor whose neighbour failed that collective
-    and went on, until the group's timeout. Such a collective is let go once it has
-    been so for ``STUCK_GRACE_S``; it ends, failing, at the group's timeout, on a
-    generation the guard has left. Every survivor reads the others only once it
-    published, which it does once its failed step's collectives were all issued."""
+    through the store which ones it still runs, once it has issued all of its step's.
+    A collective of a group whose members all survived completes: it is waited for
+    while another member still runs it, and let go once none does (that member
+    failed its side and went on: in a ring, this one waits for its data until the
+    group's timeout). A collective of a group that lost a member never completes; it
+    ends by an error, or hangs, and in a ring every survivor after the one whose
+    side ended hangs behind it, each still running it: it is let go once no
+    collective ended on any survivor for ``STUCK_GRACE``. A process of a lost
+    machine still alive (``Replaced``) is not asked; one of its collectives with a
+    survivor ends or fails soon, as it is leaving. What is let go ends, failing, at
+    the group's timeout, on a generation the guard has left."""
     store, me = session.store, session.rank
     key = f"{recovery.prefix}/running"
-    others = [r for r in recovery.survivors if r != me]
-    published: list[set[Op] | None] = [None]
-    stuck_since: dict[Op, float] = {}
+    survivors = set(recovery.survivors)
+    others = sorted(survivors - {me})
+    grace = STUCK_GRACE.total_seconds()
+    published: list[Any] = [None]
+    seen: list[Any] = [None]
+    moved = [time.monotonic()]  # when a collective last ended on any survivor
+    since: dict[Op, float] = {}
 
-    def settled(running: set[Op]) -> bool:
-        if running != published[0]:
-            put(store, f"{key}/{me}", json.dumps(sorted(running)).encode())
-            published[0] = running
+    def settled(running: dict[Op, tuple[int, ...]]) -> bool:
+        now = time.monotonic()
+        mine = sorted(running)
+        if mine != published[0]:
+            put(store, f"{key}/{me}", json.dumps(mine).encode())
+            published[0], moved[0] = mine, now
         if not running:
             return True
         if not store.check([f"{key}/{r}" for r in others]):
-            return False
-        theirs = {r: {(tuple(g), n) for g, n in json.loads(bytes(store.get(f"{key}/{r}")))}
-                  for r in others}  # fmt: skip
-        now = time.monotonic()
-        for op in running:
-            members = set(op[0])
-            if any(op in theirs[r] for r in others if not members or r in members):
-                stuck_since.pop(op, None)  # a member still runs it: it may send
+            return False  # not every survivor has issued all of its step's collectives
+        peers = sorted({r for members in running.values() for r in members} & set(others))
+        values = store.multi_get([f"{key}/{r}" for r in peers]) if peers else []
+        theirs = dict(zip(peers, values, strict=True))
+        if theirs != seen[0]:
+            seen[0], moved[0] = theirs, now
+        elsewhere = {r: {(g, n) for g, n in json.loads(bytes(v))} for r, v in theirs.items()}
+        for op, members in running.items():
+            complete = set(members) <= survivors
+            if complete and any(op in elsewhere[r] for r in members if r != me):
+                since.pop(op, None)  # another member runs it: it may still send
             else:
-                stuck_since.setdefault(op, now)
-        return all(op in stuck_since and now - stuck_since[op] >= STUCK_GRACE_S for op in running)
+                since.setdefault(op, now)
+        return all(op in since and now - max(since[op], moved[0]) >= grace for op in running)
 
     return settled
 
 
 def settle_drain(session: Session, recovery: Recovery, drained: bool) -> bool:
     """Every survivor's word on whether the failed step's collectives have ended on
-    it (``swap_group.Guard.drain``), through the store: the step runs again only where
-    all did, else every survivor gives up alike."""
+    it or were let go (``swap_group.Guard.drain``, ``running_elsewhere``), through the
+    store: the step runs again only where all did, else every survivor gives up
+    alike."""
     store, key = session.store, f"{recovery.prefix}/drained"
     if not drained:
         put(store, f"{key}/no", str(session.rank).encode())

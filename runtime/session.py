@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -89,6 +90,20 @@ from tmd.runtime.state import (
 )
 from tmd.runtime.telemetry import Telemetry
 from tmd.runtime.timing import PendingSwitch, StepTimes
+
+
+def _trim_heap() -> None:
+    """Give the memory a switch freed back to the system (glibc's ``malloc_trim``).
+    The migration's transfer and group threads allocate in glibc arenas of their own,
+    which keep what they freed: without this, a stayer's resident memory grows by a
+    few percent with every migration it takes part in. Elsewhere, nothing."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 class Session:
@@ -191,6 +206,10 @@ class Session:
         if change.inner is not None:  # first: where it raises, nothing has changed
             old = swap_group.bind_inner(change.group, change.inner, self.store)
             (self._retired if change.switch is not None else self._failed).extend(old)
+        if self._guard is not None and self._guard.generation != change.membership.generation:
+            # A switch (a failover moved the guard already), before Presence follows:
+            # failures are counted, and collectives numbered, per generation.
+            self._guard.advance(change.membership.generation)
         if self._group is not None:
             # A switch's old group is kept until the first step on the new group has
             # ended (``_ack_downtimes``): its confirmation may still be in flight in
@@ -204,10 +223,6 @@ class Session:
         if change.median_step_s is not None:
             self.timing.inherit(change.median_step_s)
         self.telemetry.set_rank(self._rank, self._membership.generation)
-        if self._guard is not None and self._guard.generation != change.membership.generation:
-            # A switch (a failover reset it already): failures are counted, reported
-            # and collectives numbered (``Guard.drain``) per generation.
-            self._guard.reset(change.membership.generation)
         if self.wrapped and self._guard is None:
             report_store = connect_store(self.env.store, timeout=self.config.store_timeout)
             self._guard = swap_group.Guard(
@@ -623,6 +638,7 @@ class Session:
             # Every member ran a collective on the new group, so none is still in
             # the switch's confirmation on the old ones: let them go (buffers, threads).
             self._retired.clear()
+            _trim_heap()
             self.last_downtime = pending.downtime(step_end, median)
             self.commands.measured(pending.migration_id, self.last_downtime)
         failovers, self._failovers = self._failovers, []

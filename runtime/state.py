@@ -294,6 +294,7 @@ def can_rebuild_ddp_buckets(model: torch.nn.Module) -> bool:
     return (
         isinstance(model, torch.nn.parallel.DistributedDataParallel)
         and not model.static_graph
+        and not model.find_unused_parameters  # never rebuilds: nothing to do early
         and hasattr(getattr(model, "reducer", None), "_rebuild_buckets")
     )
 
@@ -301,8 +302,9 @@ def can_rebuild_ddp_buckets(model: torch.nn.Module) -> bool:
 def rebuild_ddp_buckets(model: torch.nn.Module) -> bool:
     """Rebuild a DDP model's buckets now, in the order its first backward recorded,
     as its next forward would (the reducer's ``_rebuild_buckets``, which DDP's forward
-    calls; private). True where rebuilt; False where this torch lacks it or there was
-    nothing to rebuild from, and the next forward does it."""
+    calls; private). True where rebuilt; False where it cannot (this torch lacks it,
+    a static graph, unused parameters searched for) or there was nothing to rebuild
+    from: then the model rebuilds when DDP's own rules say, if ever."""
     if not can_rebuild_ddp_buckets(model) or not model.reducer._rebuild_buckets():  # type: ignore[union-attr,operator]
         return False
     model._has_rebuilt_buckets = True  # type: ignore[assignment]  # as its forward records it

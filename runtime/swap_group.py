@@ -596,10 +596,12 @@ class Guard:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._abandoned: list[_Pending] = []
-        self._waits: queue.SimpleQueue[_Pending | None] | None = None
-        self._issued: dict[tuple[int, ...], int] = {}
-        """Collectives issued on each group (by its ``key``) in this generation: the
-        next one's number, the same in every member."""
+        self._waits: dict[str, queue.SimpleQueue[_Pending | None]] = {}
+        """Per group, the works without a future its waiter thread waits for in turn."""
+        self._issued: dict[str, int] = {}
+        """Guarded collectives issued on each group (by name) in this generation: the
+        next one's number, alike in every member up to the failure (after it, a
+        member that saw the failure may skip what another issues: clipping)."""
 
     def run(self, group: SwappableGroup, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:  # fmt: skip
@@ -607,17 +609,18 @@ class Guard:
         fails."""
         if not group.key:
             group.key = tuple(sorted(dist.get_process_group_ranks(group)))
+        name_of_group = group.group_name or ",".join(map(str, group.key))
         with self._lock:
             generation = self.generation
-            number = self._issued.get(group.key, 0)
-            self._issued[group.key] = number + 1
+            number = self._issued.get(name_of_group, 0)
+            self._issued[name_of_group] = number + 1
         try:
             work = getattr(group.inner, name)(*args, **kwargs)
         except RuntimeError as exc:  # a broken group may refuse at once
             self.fail(exc, generation)
             return _answer(group, name, args, kwargs)
         pending = _Pending(generation, work, group, name, args, kwargs)
-        pending.op = (group.key, number)
+        pending.op = (name_of_group, number)
         with self._lock:
             failed = self.error is not None or generation != self.generation
             if failed:
@@ -632,16 +635,18 @@ class Guard:
     def _watch(self, pending: _Pending) -> None:
         """Call ``_done`` once ``pending``'s work ends: from its future's callback, or
         (gloo's reduce-scatters have no future, and report complete only once waited
-        on) from this generation's waiter thread, in the order they were issued."""
+        on) from its group's waiter thread of this generation, in the order they were
+        issued."""
         try:
             source: torch.futures.Future[Any] = pending.work.get_future()
         except RuntimeError:
             with self._lock:
-                if self._waits is None:
-                    self._waits = queue.SimpleQueue()
-                    threading.Thread(target=self._waiter, args=(self._waits,), daemon=True,
+                waits = self._waits.get(pending.op[0])
+                if waits is None:  # one per group: a hung one holds up only its own
+                    waits = self._waits[pending.op[0]] = queue.SimpleQueue()
+                    threading.Thread(target=self._waiter, args=(waits,), daemon=True,
                                      name="tmd-guard-wait").start()  # fmt: skip
-                self._waits.put(pending)
+                waits.put(pending)
             return
         source.add_done_callback(lambda f: self._done(pending, f.value))
 
@@ -689,32 +694,46 @@ class Guard:
             self._issued = {}
             pending, self._pending = list(self._pending.values()), {}
             self._abandoned += pending
-            waits, self._waits = self._waits, None
+            waits, self._waits = list(self._waits.values()), {}
         _complete(pending)
-        if waits is not None:
-            waits.put(None)  # its thread ends after the works queued before
+        for queued in waits:
+            queued.put(None)  # its thread ends after the works queued before
 
-    def drain(self, timeout: timedelta, settled: Callable[[set[Op]], bool] | None = None) -> bool:
+    def advance(self, generation: int) -> None:
+        """A switch moved the job to ``generation`` between steps (nothing guarded
+        is pending then, and nothing failed): failures are counted, and collectives
+        numbered, in that generation from now on."""
+        with self._lock:
+            self.generation = generation
+            self._issued = {}
+
+    def drain(
+        self, timeout: timedelta, settled: Callable[[dict[Op, tuple[int, ...]]], bool] | None = None
+    ) -> bool:
         """Wait up to ``timeout`` for every abandoned collective to end or, where
-        ``settled`` is given, for it to say that those still running can receive
-        nothing more (it is called with them, the empty set included, every few
-        milliseconds); whether that came. Forgets them either way."""
+        ``settled`` is given, for it to say that those still running (each with its
+        group's members; the empty dict too) can receive nothing more; it is asked
+        every ``DRAIN_POLL``. Whether that came. Forgets them either way."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._lock:
             abandoned, self._abandoned = self._abandoned, []
         if settled is None:
             return all(p.ended.wait(max(0.0, deadline - time.monotonic())) for p in abandoned)
         while True:
-            if settled({p.op for p in abandoned if not p.ended.is_set()}):
+            if settled({p.op: p.group.key for p in abandoned if not p.ended.is_set()}):
                 return True
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.005)
+            time.sleep(DRAIN_POLL.total_seconds())
 
 
-Op = tuple[tuple[int, ...], int]
-"""A collective of a generation, named alike in every member of its group: the
-group's ``key`` and the collective's number on that group (``Guard.run``)."""
+DRAIN_POLL = timedelta(milliseconds=20)
+"""How often ``Guard.drain`` asks whether the collectives still running are settled."""
+
+
+Op = tuple[str, int]
+"""A guarded collective of a generation, named alike in every member of its group:
+the group's name and the collective's number on that group (``Guard.run``)."""
 
 
 class _Pending:
@@ -727,7 +746,7 @@ class _Pending:
         self.future: torch.futures.Future[Any] = torch.futures.Future()
         self.ended = threading.Event()
         """The inner work ended (completed or failed)."""
-        self.op: Op = ((), 0)
+        self.op: Op = ("", 0)
 
 
 def _complete(pending: list[_Pending]) -> None:

@@ -144,32 +144,51 @@ def test_each_lost_rank_gets_a_survivor_holding_what_it_held_or_the_job_rolls_ba
     assert "lost b, and no survivor holds the shards of its rank 2" in donors(fsdp, ["b"], [0, 1])
 
 
+def _running_elsewhere(store: StoreAddress, rank: int, survivors: tuple[int, ...]) -> Any:
+    member = SimpleNamespace(rank=rank, store=connect_store(store, timeout=timedelta(seconds=30)))
+    recovery = SimpleNamespace(prefix=PREFIX, survivors=survivors)
+    return failover.running_elsewhere(cast(Session, member), cast(failover.Recovery, recovery))
+
+
+def _past_the_grace() -> None:
+    time.sleep(failover.STUCK_GRACE.total_seconds() + 0.1)
+
+
 def test_a_collective_left_waiting_for_a_survivor_that_ended_its_side_is_let_go(
     store: StoreAddress,
 ) -> None:
-    """``running_elsewhere``: survivors 0 and 1 of a world of four. Rank 1's collective
-    0 on the world waits on rank 0's, which ended (a ring whose next member died):
-    let go once rank 0 published, after the grace. Its collective 1 is let go only
-    once rank 0's collective 1, still running there, has ended too. A collective of
-    a group rank 0 is not in waits for nobody alive."""
-    world, pair = (0, 1, 2, 3), (1, 3)
-    recovery = SimpleNamespace(prefix=PREFIX, survivors=(0, 1))
-
-    def survivor(rank: int) -> Any:
-        member = SimpleNamespace(
-            rank=rank, store=connect_store(store, timeout=timedelta(seconds=30))
-        )
-        return failover.running_elsewhere(cast(Session, member), cast(failover.Recovery, recovery))
-
-    zero, one = survivor(0), survivor(1)
-    mine = {(world, 0), (world, 1), (pair, 0)}
+    """``running_elsewhere``, survivors 0 and 1: the pair's group {0, 1} lost nobody.
+    Rank 1's collective 0 on it waits on rank 0's, which ended (failed where it met
+    the lost member's failure, and went on): let go once rank 0 published, and
+    nothing moved for the grace. Its collective 1 is waited for while rank 0 still
+    runs it, and let go only a grace after that ended too."""
+    zero, one = _running_elsewhere(store, 0, (0, 1)), _running_elsewhere(store, 1, (0, 1))
+    mine = {("pair", 0): (0, 1), ("pair", 1): (0, 1)}
     assert not one(mine)  # rank 0 has not published: it may not have issued them yet
-    assert not zero({(world, 1)})  # rank 0 still runs collective 1 (published)
-    assert not one(mine)  # collective 0 and the pair's: now waiting out the grace
-    time.sleep(failover.STUCK_GRACE_S + 0.1)
+    assert not zero({("pair", 1): (0, 1)})  # rank 0 still runs collective 1
+    assert not one(mine)
+    _past_the_grace()
     assert not one(mine)  # collective 1 may still get rank 0's data
-    assert zero(set())  # rank 0's collective 1 ended: nothing left there
-    assert not one(mine)  # collective 1 starts its grace
-    time.sleep(failover.STUCK_GRACE_S + 0.1)
+    assert zero({})  # rank 0's collective 1 ended: nothing left there
+    assert not one(mine)  # something moved: a grace from now
+    _past_the_grace()
     assert one(mine)
-    assert one(set())
+    assert one({})
+
+
+def test_survivors_hung_in_a_ring_behind_the_one_whose_side_ended_all_let_go(
+    store: StoreAddress,
+) -> None:
+    """A world of six in a ring, ranks 4 and 5 lost: rank 0's side of the world's
+    collective 0 failed and ended; 1 waits for 0, 2 for 1, 3 for 2, each still
+    running it. Its group lost members, so it never completes: every survivor lets
+    it go once nothing has ended anywhere for the grace."""
+    world = (0, 1, 2, 3, 4, 5)
+    survivors = (0, 1, 2, 3)
+    ranks = {r: _running_elsewhere(store, r, survivors) for r in survivors}
+    assert ranks[0]({})
+    hung = {("world", 0): world}
+    assert not any(ranks[r](hung) for r in (1, 2, 3))  # each publishes
+    assert not any(ranks[r](hung) for r in (1, 2, 3))  # each sees the others: a grace
+    _past_the_grace()
+    assert all(ranks[r](hung) for r in (1, 2, 3))

@@ -195,16 +195,16 @@ def test_disarmed_a_failure_raises_as_it_would_without_tmd(guarded: Any) -> None
     assert guard.error is None and reported == []
 
 
-def test_drain_lets_go_of_what_is_settled_and_collectives_are_numbered_per_group(
+def test_drain_lets_go_of_what_is_settled_and_collectives_are_numbered_per_generation(
     guarded: Any,
 ) -> None:
     guard, inner, _ = guarded
     dist.all_reduce(torch.ones(2), async_op=True)
     dist.all_reduce(torch.ones(2), async_op=True)
     guard.fail(RuntimeError("Connection closed by peer"), 0, report=False)
-    seen: list[set[Any]] = []
+    seen: list[dict[Any, Any]] = []
 
-    def settled(running: set[Any]) -> bool:
+    def settled(running: dict[Any, Any]) -> bool:
         seen.append(running)
         return len(seen) >= 3  # the third time it asks, the rest can receive nothing
 
@@ -214,5 +214,6 @@ def test_drain_lets_go_of_what_is_settled_and_collectives_are_numbered_per_group
     guard.fail(RuntimeError("again"), 1, report=False)
     inner.futures[0].set_exception(RuntimeError("closed"))  # ended; forgotten anyway
     assert guard.drain(timedelta(seconds=5), settled)
-    assert seen[0] == {((0,), 0)}  # the world's key, its first collective of generation 1
+    world: Any = dist.group.WORLD
+    assert seen[0] == {(world.group_name, 0): (0,)}  # its first collective of generation 1
     third.wait()

@@ -167,3 +167,35 @@ def test_replicas_follow_each_parameter_s_mesh_and_placements() -> None:
         assert replicas(tp, list(tp.parameters()), 4, wrapped=True) == [{0}, {1}, {2}, {3}]
     finally:
         dist.destroy_process_group()
+
+
+def test_one_iteration_and_a_rebuild_bucket_a_ddp_model_as_two_iterations_do() -> None:
+    """``rebuild_ddp_buckets``: a failover's DDP joiner rebuilds after one iteration
+    what DDP's second forward rebuilds (one process, gloo; buckets small enough that
+    the order of readiness shows)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from tmd.runtime.state import bucket_layout, rebuild_ddp_buckets
+
+    def trained(iterations: int, rebuild: bool) -> object:
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                              nn.Linear(64, 4))  # fmt: skip
+        ddp = nn.parallel.DistributedDataParallel(inner, bucket_cap_mb=0.01, init_sync=False)
+        for _ in range(iterations):
+            ddp(torch.ones(2, 16)).sum().backward()
+        assert not bucket_layout(ddp)["rebuilt"]  # type: ignore[index]
+        if rebuild:
+            assert rebuild_ddp_buckets(ddp) and not rebuild_ddp_buckets(ddp)  # once
+        else:
+            ddp(torch.ones(2, 16)).sum().backward()  # the second forward rebuilds
+        return bucket_layout(ddp)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        early, usual = trained(1, rebuild=True), trained(1, rebuild=False)
+        assert early == usual and early["rebuilt"]  # type: ignore[index]
+        assert len(early["buckets"]) > 1  # type: ignore[index]
+    finally:
+        dist.destroy_process_group()
