@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import Store
 from tmd import wire
 from tmd.errors import MigrationError, ProtocolError
 from tmd.runtime.group import StoreAddress, connect_store
+from tmd.runtime.relay import AgentRelay
 
 if TYPE_CHECKING:
     from tmd.runtime.env import RuntimeEnv
@@ -367,12 +368,20 @@ Sink = Callable[[str, bytes], None]
 
 def open_control(env: RuntimeEnv, config: SessionConfig) -> tuple[ControlChannel, Sink | None]:
     """The control channel ``env`` names (MQTT where it names a broker, else the job's
-    store) and, over MQTT, the telemetry sink beside it."""
+    store) and the telemetry sink: through the machine's agent where it has one
+    (``tmd.runtime.relay``), directly over MQTT where it has not or the agent fails,
+    else none."""
+    control: ControlChannel
+    direct: Sink | None = None
     if env.mqtt is not None:
         # paho is loaded only by a job that talks to a broker.
         from tmd.runtime.mqtt_control import MqttControl
 
         mqtt = MqttControl(env.mqtt, job=env.job, node=env.slot, store=env.store,
                            max_age=config.command_max_age)  # fmt: skip
-        return mqtt, mqtt.publish
-    return StoreControl(env.store, job=env.job, poll_interval=config.control_poll), None
+        control, direct = mqtt, mqtt.publish
+    else:
+        control = StoreControl(env.store, job=env.job, poll_interval=config.control_poll)
+    if env.agent_socket is not None:  # the machine's agent publishes for its ranks
+        return control, AgentRelay(env.agent_socket, direct)
+    return control, direct

@@ -32,6 +32,10 @@
                        ``key_file``, ``client_id``, ...); ``TMD_MQTT__<KEY>``
                        overrides one key (``TMD_MQTT__PASSWORD_FILE=...``), and
                        ``TMD_BROKER`` the host and port
+``TMD_AGENT_SOCKET``   the Unix socket of this machine's agent, which publishes
+                       the telemetry of every rank on the machine in one message
+                       (``tmd.runtime.relay``); default ``/run/tmd/agent.sock``
+                       where it exists; empty: publish directly
 ``TMD_BACKEND``        ``gloo`` (default) or ``nccl``
 ``TMD_RESTART_COUNT``  how many times the launcher restarted the job before this
                        start (``tmd launch --max-restarts``); read from
@@ -52,6 +56,7 @@ from tmd import wire
 from tmd.config import MqttConfig, mqtt_options
 from tmd.errors import ConfigError
 from tmd.runtime.group import StoreAddress
+from tmd.runtime.relay import agent_socket
 
 Role = Literal["worker", "standby"]
 
@@ -71,6 +76,8 @@ class RuntimeEnv:
     restart_count: int = 0
     local_rank: int = 0
     local_world_size: int = 1
+    agent_socket: str | None = None
+    """The machine's agent's relay socket (``tmd.runtime.relay``); None: publish directly."""
 
     @property
     def broker(self) -> str | None:
@@ -138,6 +145,7 @@ class RuntimeEnv:
             restart_count=int(restarts),
             local_rank=local_rank,
             local_world_size=local_world_size,
+            agent_socket=agent_socket(env),
         )
 
 

@@ -92,9 +92,15 @@ class Telemetry:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self.flush()
+            poll = getattr(self._sink, "poll", None)  # ``AgentRelay``: its confirmations
+            if poll is not None:
+                poll()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.flush()
+        close = getattr(self._sink, "close", None)  # ``AgentRelay``: the last confirmations
+        if close is not None:
+            close()

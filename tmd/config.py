@@ -227,6 +227,11 @@ class AgentConfig:
     xid_wait_ms: int = 1000
     # No GPU or driver on this node: publish status and heartbeats only, without NVML.
     heartbeat_only: bool = False
+    # The Unix socket this machine's ranks hand their step timings to: the agent
+    # publishes them with its sample, one message per machine each interval
+    # (``tmd.agent.relay``; the ranks look for ``/run/tmd/agent.sock``, which
+    # systemd/tmd-agent.service sets). Empty: no relay; the ranks publish directly.
+    relay_socket: str = ""
 
     def validate(self) -> None:
         if self.node:
@@ -239,6 +244,12 @@ class AgentConfig:
         _check(self.sample_timeout_s > 0, "agent.sample_timeout_s", "must be > 0")
         _check(self.init_timeout_s > 0, "agent.init_timeout_s", "must be > 0")
         _check(10 <= self.xid_wait_ms <= 60_000, "agent.xid_wait_ms", "must be in 10..60000")
+        _check(
+            not self.relay_socket
+            or (self.relay_socket.startswith("/") and len(self.relay_socket) < 100),
+            "agent.relay_socket",
+            "must be empty or an absolute path of under 100 characters (a Unix socket's limit)",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

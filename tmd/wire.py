@@ -40,6 +40,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 GpuIndex = Annotated[int, msgspec.Meta(ge=0, lt=64)]
 
 MAX_STEPS_PER_BATCH: Final = 1024
+MAX_RELAYED_BATCHES: Final = 1024
+"""Per ``NodeIter``: the batches of every rank of a machine since the last flush."""
 MAX_GPUS_PER_NODE: Final = 64
 MAX_MEMBERS: Final = 1 << 20
 
@@ -143,6 +145,19 @@ class IterBatch(Message, kw_only=True, frozen=True):
     run: Count | None = None
     """The job's run (``JobStatus.run``: its launcher's restart count) these steps belong
     to; None from a runtime before runs were sent (then the job's status tells)."""
+
+
+class NodeIter(Message, kw_only=True, frozen=True):
+    """``tmd/v1/node/{node}/iter``, QoS 0: what a machine's agent relays each flush, one
+    message for every rank on the machine (``tmd.agent.relay``): each rank's batches
+    as the rank made them, every one naming this node, and the agent's GPU sample of
+    the same tick where it had one (then no separate ``gpu`` message that tick). Added
+    in protocol 1 without a version change: a daemon that does not subscribe to it
+    never sees it, and ranks without an agent publish ``IterBatch`` directly."""
+
+    node: Name
+    batches: Annotated[list[IterBatch], msgspec.Meta(min_length=1, max_length=MAX_RELAYED_BATCHES)]
+    gpu: NodeGpu | None = None
 
 
 def default_node_name() -> str:
@@ -289,7 +304,7 @@ class Ack(Message, kw_only=True, frozen=True):
 # -- topics ----------------------------------------------------------------------------
 
 
-def node_topic(node: str, kind: Literal["status", "gpu", "xid"]) -> str:
+def node_topic(node: str, kind: Literal["status", "gpu", "xid", "iter"]) -> str:
     return f"{PREFIX}/node/{node}/{kind}"
 
 
@@ -310,6 +325,7 @@ SUBSCRIPTIONS: Final = (
     f"{PREFIX}/node/+/status",
     f"{PREFIX}/node/+/gpu",
     f"{PREFIX}/node/+/xid",
+    f"{PREFIX}/node/+/iter",
     f"{PREFIX}/job/+/rank/+/iter",
     f"{PREFIX}/job/+/status",
     f"{PREFIX}/job/+/ack",

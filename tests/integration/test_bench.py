@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import _need_mosquitto
 
 
@@ -22,11 +24,17 @@ def bench(*args: str) -> dict[str, object]:
     return result
 
 
-def test_bench_ingest_prints_its_fields_and_loses_nothing_at_small_scale() -> None:
+@pytest.mark.parametrize("via", ["direct", "agent"])
+def test_bench_ingest_prints_its_fields_and_loses_nothing_at_small_scale(via: str) -> None:
     _need_mosquitto()  # the bench starts its own
-    r = bench("ingest", "--ranks", "256", "--seconds", "3", "--no-baseline", "--json")
+    r = bench("ingest", "--ranks", "256", "--via", via, "--seconds", "3", "--no-baseline",
+              "--json")  # fmt: skip
     for key in (
         "ranks",
+        "via",
+        "cpu_us_per_rank_step",
+        "cpu_fraction",
+        "decisions",
         "seconds",
         "rank_steps_per_s",
         "messages_per_s",
@@ -41,7 +49,10 @@ def test_bench_ingest_prints_its_fields_and_loses_nothing_at_small_scale() -> No
         "holds_target",
     ):
         assert key in r, key
-    assert r["ranks"] == 256 and r["loss"] == 0.0 and r["rejected"] == 0.0
+    assert r["ranks"] == 256 and r["via"] == via and r["loss"] == 0.0 and r["rejected"] == 0.0
+    assert r["decisions"] == 0  # a healthy cluster: nothing found, nothing moved
+    # Through the agents, one message per machine of 8 ranks (and its GPU sample).
+    assert r["nodes"] == 32
     assert r["published_rank_steps"] == r["rank_steps_in_view"]
     # Counted from each step's end, which precedes its publishing and applying.
     assert isinstance(r["p50_latency_s"], float) and r["p50_latency_s"] > 0

@@ -39,6 +39,7 @@ import tmd
 from tmd import config as config_mod
 from tmd import log, sdnotify, wire
 from tmd.agent.nvml import Nvml, NvmlError, NvmlUnavailable, Sample, Xid, XidEvents
+from tmd.agent.relay import Relay
 from tmd.config import Config
 from tmd.connection import ClientFactory, reconnect_forever
 from tmd.errors import ConfigError
@@ -70,6 +71,10 @@ class Agent:
         self._xids: deque[wire.XidEvent] = deque()
         self._wakeup = asyncio.Event()
         self._pending: concurrent.futures.Future[Sample] | None = None
+        self.relay = (
+            Relay(self._config.relay_socket, self.node) if self._config.relay_socket else None
+        )
+        self.relayed_messages = 0
         self._hung = False
         self._errors: dict[tuple[int, str], str] = {}
 
@@ -98,6 +103,13 @@ class Agent:
             with contextlib.suppress(RuntimeError):  # the loop is closed: we are exiting
                 loop.call_soon_threadsafe(self._xid_arrived, xid)
 
+        if self.relay is not None:
+            try:
+                self.relay.open()
+            except OSError as exc:
+                raise ConfigError(
+                    "agent.relay_socket", f"cannot listen on {self.relay.path}: {exc}"
+                ) from None
         watcher = None
         events = await self._xid_events()
         if events is not None:
@@ -110,6 +122,8 @@ class Agent:
         finally:
             if watcher is not None:
                 await watcher.stop()
+            if self.relay is not None:
+                self.relay.close()
 
     async def _xid_events(self) -> XidEvents | None:
         if self._nvml is None:
@@ -246,11 +260,31 @@ class Agent:
                 self._xids.popleft()
             if self._latest is not None:
                 sample, self._latest = self._latest, None
-                await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
+                if self.relay is not None and self.relay.pending:
+                    await self._relay(client, sample)  # the sample goes with the steps
+                else:
+                    await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
                 self.published_samples += 1
             self._wakeup.clear()
             if not self._xids and self._latest is None:
                 await self._wakeup.wait()
+
+    async def _relay(self, client: aiomqtt.Client, sample: wire.NodeGpu) -> None:
+        """Every rank's batches relayed since the last tick, with this tick's sample,
+        in as few messages as their size allows; each sender hears what went out. A
+        batch whose publish failed is not confirmed: its rank publishes it itself."""
+        assert self.relay is not None
+        topic = wire.node_topic(self.node, "iter")
+        gpu: wire.NodeGpu | None = sample
+        while self.relay.pending:
+            taken = self.relay.take()
+            batches = [b for _, _, b in taken]
+            message = wire.NodeIter(ts=time.time(), node=self.node, batches=batches, gpu=gpu)
+            await client.publish(topic, wire.encode(message), qos=0,
+                                 timeout=self._mqtt.connect_timeout_s)  # fmt: skip
+            self.relay.confirm(taken)
+            self.relayed_messages += 1
+            gpu = None
 
 
 class _XidWatcher:

@@ -33,13 +33,14 @@ from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
 from tmd.errors import ProtocolError, PublishError, TmdError
 
-_NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid"}
+_NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid", "iter": "node_iter"}
 _JOB_KINDS: Final = {"status": "job_status", "ack": "ack"}
 _TYPES: Final[dict[str, type[wire.Message]]] = {
     "node_status": wire.NodeStatus,
     "gpu": wire.NodeGpu,
     "xid": wire.XidEvent,
     "iter": wire.IterBatch,
+    "node_iter": wire.NodeIter,
     "job_status": wire.JobStatus,
     "ack": wire.Ack,
 }
@@ -146,15 +147,10 @@ class Ingest:
         if kind == "iter":
             if message.job != owner or message.rank != rank:
                 raise ProtocolError("mismatch", "job or rank differs from the topic")
-            applied = view.apply_iter(message, now)
-            m = self._metrics
-            if applied.accepted:
-                m.steps_by["accepted"].inc(applied.accepted)
-            if applied.duplicate:
-                m.steps_by["duplicate"].inc(applied.duplicate)
-            if applied.late:
-                m.steps_by["late"].inc(applied.late)
-            m.latency.observe(max(0.0, now - message.ts))
+            self._apply_iter(message, now)
+        elif kind == "node_iter":
+            self._apply_relayed(message, owner, now, publish=publish)
+            return  # what it carries went on the bus
         elif kind in ("node_status", "gpu", "xid"):
             if message.node != owner:
                 raise ProtocolError("mismatch", "node differs from the topic")
@@ -171,6 +167,47 @@ class Ingest:
                 view.apply_job_status(message, now)
         if publish:
             self._bus.publish(message)
+
+    def _apply_iter(self, batch: wire.IterBatch, now: float) -> None:
+        applied = self._view.apply_iter(batch, now)
+        m = self._metrics
+        if applied.accepted:
+            m.steps_by["accepted"].inc(applied.accepted)
+        if applied.duplicate:
+            m.steps_by["duplicate"].inc(applied.duplicate)
+        if applied.late:
+            m.steps_by["late"].inc(applied.late)
+        m.latency.observe(max(0.0, now - batch.ts))
+
+    def _apply_relayed(
+        self, message: wire.NodeIter, node: str, now: float, *, publish: bool
+    ) -> None:
+        """A machine's agent relayed its ranks' batches (and its GPU sample): each
+        applied as if its rank had published it, and put on the bus as such (a batch
+        the view refuses is counted and the rest go on). Every part must name the
+        topic's machine, checked before any is applied: an agent speaks for the ranks
+        on its own machine only."""
+        if message.node != node or (message.gpu is not None and message.gpu.node != node):
+            raise ProtocolError("mismatch", "node differs from the topic")
+        if any(b.node != node for b in message.batches):
+            raise ProtocolError("mismatch", "a relayed batch names another machine")
+        if message.gpu is not None:
+            self._view.apply_gpu(message.gpu, now)
+            if publish:
+                self._bus.publish(message.gpu)
+        for batch in message.batches:
+            try:
+                job = self._view.jobs.get(batch.job)
+                placed = job.members.get(batch.rank) if job is not None else None
+                if placed is not None and placed != node:
+                    # The job's status puts this rank elsewhere: not this agent's to say.
+                    raise ProtocolError("mismatch", f"rank {batch.rank} runs on {placed}")
+                self._apply_iter(batch, now)
+            except ProtocolError as exc:  # this rank's batch only: the others count
+                self._reject(wire.iter_topic(batch.job, batch.rank), "node_iter", exc, now)
+                continue
+            if publish:
+                self._bus.publish(batch)
 
     def _reject(self, topic: str, kind: str, exc: ProtocolError, now: float) -> None:
         self._metrics.rejected_by[exc.reason].inc()

@@ -25,7 +25,7 @@ REJECT_REASONS = (
     "limit",
     "internal",
 )
-MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "job_status", "ack", "unknown")
+MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "node_iter", "job_status", "ack", "unknown")
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

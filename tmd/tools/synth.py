@@ -31,6 +31,9 @@ class SynthSpec:
     flush_s: float = 1.0  # the runtime's telemetry flush interval
     seconds: float = 10.0
     gpu_health: bool = True  # one NodeGpu sample per node per second
+    # "agent": each node's agent relays its ranks' batches with its GPU sample, one
+    # NodeIter per node per flush (issue 16); "direct": one IterBatch per rank.
+    via: Literal["direct", "agent"] = "direct"
     slow: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown (1.3 = +30%)
     seed: int = 0
 
@@ -79,9 +82,12 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
         now_m = time.monotonic() - start
         if now_m >= spec.seconds:
             break
-        sender.send_ranks(now_m)
-        if spec.gpu_health:
-            sender.send_gpus(now_m)
+        if spec.via == "agent":
+            sender.send_nodes(now_m)
+        else:
+            sender.send_ranks(now_m)
+            if spec.gpu_health:
+                sender.send_gpus(now_m)
         time.sleep(0.002)
     out = sender.out
     out.elapsed_s = time.monotonic() - start
@@ -122,6 +128,7 @@ class _Sender:
             wire.node_topic(node_of(i * spec.ranks_per_node, spec.ranks_per_node), "gpu")
             for i in range(self.nodes)
         ]
+        self.node_iter_topics = [t.rsplit("/", 1)[0] + "/iter" for t in self.gpu_topics]
         self.next_step = [1] * n
         self.sent_ranks = 0  # ranks published in the current flush period
         self.sent_nodes = 0
@@ -150,6 +157,52 @@ class _Sender:
             self.sent_ranks = 0
             self.period += 1
 
+    def send_nodes(self, now_m: float) -> None:
+        """As each node's agent relays (``via="agent"``): every node due by ``now_m`` in
+        this flush period publishes its ranks' batches and its GPU sample in one
+        ``NodeIter``."""
+        spec, nodes, out = self.spec, self.nodes, self.out
+        k = spec.ranks_per_node
+        due = min(nodes, int((now_m - self.period * spec.flush_s) / spec.flush_s * nodes) + 1)
+        while self.sent_nodes < due:
+            i = self.sent_nodes
+            behind = now_m - (self.period * spec.flush_s + i / nodes * spec.flush_s)
+            out.max_behind_s = max(out.max_behind_s, behind)
+            now = time.time()
+            node = node_of(i * k, k)
+            batches = []
+            for r in range(i * k, min(spec.ranks, (i + 1) * k)):
+                steps = self._steps_done(r, now)
+                if steps:
+                    batches.append(wire.IterBatch(ts=now, job=spec.job, rank=r, node=node,
+                                                  steps=steps))  # fmt: skip
+                    out.rank_steps += len(steps)
+            gpu = self._sample(i, now) if spec.gpu_health else None
+            if batches:
+                message = wire.NodeIter(ts=now, node=node, batches=batches, gpu=gpu)
+                self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=0)
+                out.messages += 1
+            elif gpu is not None:  # as the agent does with nothing to relay
+                self.client.publish(self.gpu_topics[i], wire.encode(gpu), qos=0)
+                out.messages += 1
+                out.gpu_messages += 1
+            self.sent_nodes += 1
+        if self.sent_nodes >= nodes:
+            self.sent_nodes = 0
+            self.period += 1
+
+    def _sample(self, i: int, now: float) -> wire.NodeGpu:
+        spec = self.spec
+        return wire.NodeGpu(
+            ts=now,
+            node=node_of(i * spec.ranks_per_node, spec.ranks_per_node),
+            gpus=[
+                wire.GpuSample(index=g, temp_c=55.0 + self.rng.random() * 10, power_w=400.0,
+                               util_pct=97.0, clock_event_reasons=0)
+                for g in range(min(8, spec.ranks_per_node))
+            ],
+        )  # fmt: skip
+
     def _steps_done(self, r: int, now: float) -> list[wire.StepTiming]:
         """Rank ``r``'s steps ended by ``now`` and not yet sent (at most one batch)."""
         spec, n = self.spec, self.spec.ranks
@@ -165,24 +218,11 @@ class _Sender:
 
     def send_gpus(self, now_m: float) -> None:
         """Every node's GPU sample due by ``now_m`` in this second."""
-        spec, nodes = self.spec, self.nodes
+        nodes = self.nodes
         due_nodes = min(nodes, int((now_m - self.gpu_period) * nodes) + 1)
         while self.sent_nodes < due_nodes:
             i = self.sent_nodes
-            sample = wire.NodeGpu(
-                ts=time.time(),
-                node=node_of(i * spec.ranks_per_node, spec.ranks_per_node),
-                gpus=[
-                    wire.GpuSample(
-                        index=g,
-                        temp_c=55.0 + self.rng.random() * 10,
-                        power_w=400.0,
-                        util_pct=97.0,
-                        clock_event_reasons=0,
-                    )
-                    for g in range(min(8, spec.ranks_per_node))
-                ],
-            )
+            sample = self._sample(i, time.time())
             self.client.publish(self.gpu_topics[i], wire.encode(sample), qos=0)
             self.out.messages += 1
             self.out.gpu_messages += 1

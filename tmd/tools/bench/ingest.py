@@ -38,6 +38,7 @@ import aiomqtt
 
 from tmd import config as config_mod
 from tmd import log, wire
+from tmd.daemon import events
 from tmd.daemon.daemon import Daemon
 from tmd.daemon.ingest import Ingest
 from tmd.tools import synth
@@ -83,12 +84,9 @@ class BenchIngest(Ingest):
         self.latencies: array[float] = array("d")
         self._stock_iterator = stock_iterator
 
-    def _apply(
-        self, kind: str, owner: str, rank: int | None, message: Any, now: float, *, publish: bool
-    ) -> None:
-        super()._apply(kind, owner, rank, message, now, publish=publish)
-        if kind == "iter":
-            self.latencies.extend(step_latencies(message, now))
+    def _apply_iter(self, batch: wire.IterBatch, now: float) -> None:
+        super()._apply_iter(batch, now)  # a rank's own, or relayed by its machine's agent
+        self.latencies.extend(step_latencies(batch, now))
 
     def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
         return None if self._stock_iterator else super()._queue_type()
@@ -156,16 +154,18 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
 
 
 async def _measure(
-    *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool
-) -> dict[str, Any]:
+    *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool,
+    via: str = "direct",
+) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
         daemon = Daemon(_config(host, port, ranks, state))
         ingest = daemon.ingest = BenchIngest(daemon, stock_iterator=stock_iterator)
         task = asyncio.create_task(daemon.run())
         await asyncio.wait_for(daemon.ready.wait(), 30)
+        decided = daemon.bus.subscribe("bench-decisions", (events.Finding, events.Decision))
         spec = synth.SynthSpec(
             host=host, port=port, job="bench", ranks=ranks, seconds=seconds, flush_s=flush_s,
-            step_s=STEP_S, seed=1,
+            step_s=STEP_S, seed=1, via=via,  # type: ignore[arg-type]  # checked by main
         )  # fmt: skip
         rss_before = _rss_mb()
         cpu0, wall0 = _cpu_s(), time.monotonic()
@@ -188,6 +188,7 @@ async def _measure(
         messages = result.messages
         return {
             "ranks": ranks,
+            "via": via,
             "nodes": len(daemon.view.nodes),
             "seconds": seconds,
             "flush_s": flush_s,
@@ -208,6 +209,10 @@ async def _measure(
             "cpu_s": round(cpu_s, 2),
             "cpu_fraction": round(cpu_s / wall_s, 3),
             "cpu_us_per_message": round(cpu_s / max(1, messages) * 1e6, 2),
+            # The daemon's CPU (ingest and all) over the rank-steps it took in.
+            "cpu_us_per_rank_step": round(cpu_s / max(1, in_view) * 1e6, 2),
+            # Findings and decisions on this healthy synthetic cluster: each one wrong.
+            "decisions": len(decided) + decided.dropped,
         }
 
 
@@ -240,14 +245,22 @@ def holds(r: Mapping[str, Any]) -> bool:
     return not shortfalls(r)
 
 
-def _search(host: str, port: int, start: int, start_holds: bool, flush_s: float) -> dict[str, Any]:
+def _search(
+    host: str, port: int, start: int, start_holds: bool, flush_s: float, via: str
+) -> dict[str, Any]:
     """Double N from ``start`` until the target fails, then bisect to within 1/8."""
     tried: list[dict[str, Any]] = []
 
     def holds_at(n: int) -> bool:
         r = asyncio.run(
             _measure(
-                host=host, port=port, ranks=n, seconds=10.0, flush_s=flush_s, stock_iterator=False
+                host=host,
+                port=port,
+                ranks=n,
+                seconds=10.0,
+                flush_s=flush_s,
+                stock_iterator=False,
+                via=via,
             )
         )
         keys = ("ranks", "loss", "p99_latency_s", "publisher_max_behind_s", "rss_mb",
@@ -267,7 +280,7 @@ def _search(host: str, port: int, start: int, start_holds: bool, flush_s: float)
             lo = mid
         else:
             hi = mid
-    return {"search": tried, "largest_ranks_holding": lo, "smallest_ranks_failing": hi}
+    return {"search": tried, "max_ranks_held": lo, "smallest_ranks_failing": hi}
 
 
 def main(argv: list[str]) -> int:
@@ -285,6 +298,13 @@ def main(argv: list[str]) -> int:
         help="seconds between a rank's telemetry batches (runtime default: 1)",
     )
     p.add_argument("--broker", default="", help="host:port of an existing broker")
+    p.add_argument(
+        "--via",
+        choices=("direct", "agent"),
+        default="direct",
+        help="direct: every rank publishes its own batches; agent: each machine's agent "
+        "(8 ranks) relays them with its GPU sample, one message per machine per flush",
+    )
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the stock-iterator baseline run"
     )
@@ -304,7 +324,7 @@ def main(argv: list[str]) -> int:
         else:
             broker = stack.enter_context(Mosquitto())
             host, port = broker.host, broker.port
-        progress.say(f"tmd's ingest: {args.ranks} ranks for {args.seconds:g} s")
+        progress.say(f"tmd's ingest: {args.ranks} ranks via {args.via} for {args.seconds:g} s")
         out = asyncio.run(
             _measure(
                 host=host,
@@ -313,6 +333,7 @@ def main(argv: list[str]) -> int:
                 seconds=args.seconds,
                 flush_s=args.flush_s,
                 stock_iterator=False,
+                via=args.via,
             )
         )
         out["shortfalls"] = shortfalls(out)
@@ -327,6 +348,7 @@ def main(argv: list[str]) -> int:
                     seconds=args.seconds,
                     flush_s=args.flush_s,
                     stock_iterator=True,
+                    via=args.via,
                 )
             )
             out["baseline_stock_iterator"] = base
@@ -334,7 +356,7 @@ def main(argv: list[str]) -> int:
             out["cpu_ratio_vs_iterator"] = None if ratio is None else round(ratio, 3)
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
-            out.update(_search(host, port, args.ranks, out["holds_target"], args.flush_s))
+            out.update(_search(host, port, args.ranks, out["holds_target"], args.flush_s, args.via))
     out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")

@@ -1,0 +1,83 @@
+"""Telemetry through the machine's agent (issue 16), all real but NVML: a mosquitto, a
+daemon, ``tmd agent`` as its own process (heartbeat only: no GPU here) relaying on a
+Unix socket, and a training job of one machine of two ranks pointed at it. Its steps
+reach the daemon's view in the agent's messages, one per machine each interval; the
+agent is SIGKILLed mid-run, and the ranks publish directly from then on, every step
+of both ranks arriving, none twice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DaemonFactory
+from tests.helpers import eventually
+from tests.integration.runtime_conftest_helpers import release, run_job
+from tmd.tools.mosquitto import Mosquitto
+
+pytestmark = pytest.mark.slow
+
+JOB = "relayjob"
+NODE = "worker0"  # tmd launch's first machine
+STEPS = 24
+
+
+def spawn_agent(config: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "tmd.cli", "agent", "--config", str(config)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def test_steps_come_through_the_agent_and_straight_on_once_it_dies(
+    broker: Mosquitto, start_daemon: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = await start_daemon(broker)
+    sock = tmp_path / "agent.sock"
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n'
+        f'[agent]\nnode = "{NODE}"\nheartbeat_only = true\ninterval_s = 0.5\n'
+        f'relay_socket = "{sock}"\n'
+    )
+    agent = spawn_agent(config)
+    received = daemon.metrics.received_by
+    job = None
+    try:
+        node = await eventually(lambda: (n := daemon.view.nodes.get(NODE)) and n.state == "online")
+        assert node
+        monkeypatch.setenv("TMD_AGENT_SOCKET", str(sock))
+        out = tmp_path / "job"
+        job = run_job(out, nproc=2, nproc_per_node=2, steps=STEPS, job=JOB, held=True,
+                      broker=f"{broker.host}:{broker.port}")  # fmt: skip
+
+        def ranks_seen() -> bool:
+            j = daemon.view.jobs.get(JOB)
+            return j is not None and all(j.ranks.get(r) and j.ranks[r].total_steps for r in (0, 1))
+
+        await eventually(lambda: ranks_seen() and received["node_iter"].value >= 2, timeout_s=120)
+        assert received["iter"].value == 0  # every batch so far came through the agent
+        agent.send_signal(signal.SIGKILL)  # its socket file stays, nobody reads it
+        assert await asyncio.to_thread(agent.wait, 10) == -9
+        release(out)
+        codes = await asyncio.to_thread(job.wait)
+        assert set(codes.values()) == {0}, codes
+
+        def complete() -> bool:
+            ranks = daemon.view.jobs[JOB].ranks
+            return all(ranks[r].total_steps == STEPS for r in (0, 1))
+
+        await eventually(complete, timeout_s=30)
+        assert received["iter"].value > 0  # the rest came straight from the ranks
+        assert all(daemon.view.jobs[JOB].ranks[r].late == 0 for r in (0, 1))
+        assert os.path.exists(sock)  # noqa: ASYNC240 (a killed agent leaves it)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.communicate()
+        if job is not None:
+            job.terminate()
