@@ -383,5 +383,8 @@ def open_control(env: RuntimeEnv, config: SessionConfig) -> tuple[ControlChannel
     else:
         control = StoreControl(env.store, job=env.job, poll_interval=config.control_poll)
     if env.agent_socket is not None:  # the machine's agent publishes for its ranks
-        return control, AgentRelay(env.agent_socket, direct)
+        try:
+            return control, AgentRelay(env.agent_socket, direct)
+        except OSError:  # no socket of its own to hear the agent on: go direct
+            pass
     return control, direct

@@ -4,16 +4,17 @@ its machine, which publishes one message for all of the machine's ranks each flu
 broker and the daemon on a machine of eight GPUs.
 
 The way there is a Unix datagram socket (``TMD_AGENT_SOCKET``, by default
-``/run/tmd/agent.sock`` where it exists): a send never blocks the sender thread, and
-never the training step, which only appends to ``Telemetry``'s queue. Each datagram
-is an 8-byte sequence number and the encoded ``IterBatch``; once the agent has
-published a batch it answers with its number, to this process's own (abstract)
-address. A batch the agent does not take (no socket, nobody bound to it, its queue
-full) is published directly, as without an agent; so is one it took and did not
-confirm within ``CONFIRM_WITHIN`` (it died, or lost the broker): the daemon counts a
-step that arrives twice as a duplicate, so nothing is lost and nothing counted
-twice. After a failure the relay publishes directly for ``RETRY_AFTER`` before it
-tries the agent again.
+``/run/tmd/agent.sock`` where it exists): a send never blocks, and the training step
+only appends to ``Telemetry``'s queue. Each datagram is an 8-byte sequence number
+and the encoded ``IterBatch``; once the broker has the agent's message holding a
+batch, the agent answers with its number, to this process's own (abstract) address;
+an answer from anyone else is ignored. Where the agent does not take a batch (no
+socket, nobody bound to it, its queue full), or took one and did not confirm it
+within ``CONFIRM_WITHIN`` (it died, hung, or lost the broker), every batch it has
+not confirmed is published directly, oldest first, and so is each new one for
+``RETRY_AFTER`` before the agent is tried again. At exit what is unconfirmed is
+published directly at once. The daemon counts a step that arrives twice as a
+duplicate: nothing is lost and nothing counted twice.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Final
 
+from tmd.errors import ConfigError
 from tmd.runtime.telemetry import Sink
 
 AGENT_SOCKET: Final = "/run/tmd/agent.sock"
@@ -37,14 +39,16 @@ published directly (the agent flushes every ``agent.interval_s``, 1 s by default
 RETRY_AFTER: Final = timedelta(seconds=10)
 """How long the relay publishes directly after the agent failed it."""
 SEQ_BYTES: Final = 8
+MAX_ANSWERS_READ: Final = 64
+"""The agent's answers read per call, at most (each confirms any number of batches)."""
 
 
 class AgentRelay:
     """A ``Telemetry`` sink: each batch to the agent at ``path``, or to ``direct``
     (the MQTT publish; None: dropped, and counted) where the agent does not take it.
     ``poll`` (from the telemetry thread, each flush interval) reads the agent's
-    confirmations and publishes directly what it left unconfirmed; ``close`` waits
-    for the last confirmations, up to ``CONFIRM_WITHIN``."""
+    confirmations and publishes directly what it left unconfirmed too long;
+    ``close`` publishes directly what is still unconfirmed."""
 
     def __init__(self, path: str, direct: Sink | None) -> None:
         self.path = path
@@ -73,55 +77,58 @@ class AgentRelay:
                 try:
                     self._sock.sendto(self._seq.to_bytes(SEQ_BYTES, "big") + payload, self.path)
                 except OSError:  # no socket, nobody bound to it, its queue full
-                    self._agent_down_until = now + RETRY_AFTER.total_seconds()
+                    self._give_up_on_agent(now)
                 else:
                     self._unconfirmed[self._seq] = (now, topic, payload)
                     return
-        self._publish(topic, payload)
+            self._publish(topic, payload)
 
     def poll(self) -> None:
         with self._lock:
             self._settle(time.monotonic())
 
     def close(self) -> None:
-        deadline = time.monotonic() + CONFIRM_WITHIN.total_seconds()
-        while True:
-            with self._lock:
-                self._settle(time.monotonic())
-                if not self._unconfirmed or time.monotonic() > deadline:
-                    overdue = list(self._unconfirmed.values())
-                    self._unconfirmed.clear()
-                    break
-            time.sleep(0.05)
-        for _, topic, payload in overdue:
-            self._publish(topic, payload)
-        self._sock.close()
+        with self._lock:
+            self._settle(time.monotonic())
+            for _, topic, payload in self._unconfirmed.values():
+                self._publish(topic, payload)
+            self._unconfirmed.clear()
+            self._sock.close()
 
     @property
     def unconfirmed(self) -> int:
         return len(self._unconfirmed)
 
     def _settle(self, now: float) -> None:
-        """Take the agent's confirmations; publish directly what waited too long.
+        """Take the agent's confirmations (a bounded number of answers, so a flood
+        cannot hold the caller); if one batch waited too long, give up on the agent.
         Holds the lock; the direct publishes happen in it (they do not block)."""
-        while True:
+        for _ in range(MAX_ANSWERS_READ):
             try:
-                answer = self._sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
+                answer, sender = self._sock.recvfrom(65536)
+            except OSError:  # nothing more (BlockingIOError), or the socket is gone
                 break
-            except OSError:
-                break
+            if not isinstance(sender, str) or os.path.realpath(sender) != os.path.realpath(
+                self.path
+            ):
+                continue  # not the agent: a confirmation must not be forged
             for i in range(0, len(answer) - SEQ_BYTES + 1, SEQ_BYTES):
                 seq = int.from_bytes(answer[i : i + SEQ_BYTES], "big")
                 if self._unconfirmed.pop(seq, None) is not None:
                     self.relayed += 1
-        limit = now - CONFIRM_WITHIN.total_seconds()
-        overdue = [seq for seq, (sent, _, _) in self._unconfirmed.items() if sent < limit]
-        if overdue:
-            self._agent_down_until = now + RETRY_AFTER.total_seconds()
-        for seq in overdue:
-            _, topic, payload = self._unconfirmed.pop(seq)
+        if self._unconfirmed:
+            oldest = next(iter(self._unconfirmed.values()))[0]
+            if oldest < now - CONFIRM_WITHIN.total_seconds():
+                self._give_up_on_agent(now)
+
+    def _give_up_on_agent(self, now: float) -> None:
+        """Publish directly everything the agent has not confirmed, oldest first (a
+        later step must not reach the daemon long before an earlier one, which it
+        would count as late), and publish directly for ``RETRY_AFTER``."""
+        self._agent_down_until = now + RETRY_AFTER.total_seconds()
+        for _, topic, payload in self._unconfirmed.values():
             self._publish(topic, payload)
+        self._unconfirmed.clear()
 
     def _publish(self, topic: str, payload: bytes) -> None:
         if self._direct is None:
@@ -138,6 +145,10 @@ class AgentRelay:
 def agent_socket(environ: Mapping[str, str]) -> str | None:
     """The agent's socket this process relays through: ``TMD_AGENT_SOCKET`` (empty:
     none), else ``AGENT_SOCKET`` where it exists."""
-    if "TMD_AGENT_SOCKET" in environ:
-        return environ["TMD_AGENT_SOCKET"] or None
-    return AGENT_SOCKET if os.path.exists(AGENT_SOCKET) else None
+    if "TMD_AGENT_SOCKET" not in environ:
+        return AGENT_SOCKET if os.path.exists(AGENT_SOCKET) else None
+    path = environ["TMD_AGENT_SOCKET"]
+    if path and not (path.startswith("/") and len(path.encode()) < 108):
+        raise ConfigError("TMD_AGENT_SOCKET", f"must be empty or an absolute path of under "
+                          f"108 bytes (a Unix socket's limit), got {path[:200]!r}")  # fmt: skip
+    return path or None

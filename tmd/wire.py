@@ -148,12 +148,15 @@ class IterBatch(Message, kw_only=True, frozen=True):
 
 
 class NodeIter(Message, kw_only=True, frozen=True):
-    """``tmd/v1/node/{node}/iter``, QoS 0: what a machine's agent relays each flush, one
-    message for every rank on the machine (``tmd.agent.relay``): each rank's batches
-    as the rank made them, every one naming this node, and the agent's GPU sample of
-    the same tick where it had one (then no separate ``gpu`` message that tick). Added
-    in protocol 1 without a version change: a daemon that does not subscribe to it
-    never sees it, and ranks without an agent publish ``IterBatch`` directly."""
+    """``tmd/v1/node/{node}/iter``, QoS 1: what a machine's agent relays each tick, one
+    message for the ranks on the machine (``tmd.agent.relay``): each rank's batches
+    as the rank made them, every one naming this node. ``gpu``, a sample of the same
+    tick, is read where present; ``tmd agent`` sends its samples on ``gpu`` as ever
+    (the heartbeat for a daemon or broker ACL that does not know this topic). Added
+    in protocol 1 without a version change: ranks without an agent, or whose agent
+    does not confirm a batch, publish ``IterBatch`` directly, and a daemon that does
+    not subscribe to this topic sees their steps only so. Deploy the daemon and the
+    ACL before the agents."""
 
     node: Name
     batches: Annotated[list[IterBatch], msgspec.Meta(min_length=1, max_length=MAX_RELAYED_BATCHES)]

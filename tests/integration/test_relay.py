@@ -2,8 +2,9 @@
 daemon, ``tmd agent`` as its own process (heartbeat only: no GPU here) relaying on a
 Unix socket, and a training job of one machine of two ranks pointed at it. Its steps
 reach the daemon's view in the agent's messages, one per machine each interval; the
-agent is SIGKILLed mid-run, and the ranks publish directly from then on, every step
-of both ranks arriving, none twice."""
+agent hangs (SIGSTOP) with their batches in its socket, then dies (SIGKILL), and the
+ranks publish directly what it never confirmed and all that follows: every step of
+both ranks arrives, and the view counts each once."""
 
 from __future__ import annotations
 
@@ -61,7 +62,11 @@ async def test_steps_come_through_the_agent_and_straight_on_once_it_dies(
 
         await eventually(lambda: ranks_seen() and received["node_iter"].value >= 2, timeout_s=120)
         assert received["iter"].value == 0  # every batch so far came through the agent
-        agent.send_signal(signal.SIGKILL)  # its socket file stays, nobody reads it
+        # Hung first: the ranks' batches pile up in its socket, taken and never
+        # published; then dead, its socket file left behind with nobody reading it.
+        agent.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(1.5)
+        agent.send_signal(signal.SIGKILL)
         assert await asyncio.to_thread(agent.wait, 10) == -9
         release(out)
         codes = await asyncio.to_thread(job.wait)

@@ -75,6 +75,7 @@ class Agent:
             Relay(self._config.relay_socket, self.node) if self._config.relay_socket else None
         )
         self.relayed_messages = 0
+        self._relay_due = False
         self._hung = False
         self._errors: dict[tuple[int, str], str] = {}
 
@@ -149,8 +150,9 @@ class Agent:
             gpus = await self._sample()
             if gpus is not None:
                 self._latest = wire.NodeGpu(ts=time.time(), node=self.node, gpus=gpus)
-                self._wakeup.set()
                 sdnotify.watchdog_ping()
+            self._relay_due = True  # on the tick, whether or not NVML answered
+            self._wakeup.set()
             # Keep the cadence; after an overrun start again from now rather than burst.
             next_at = max(next_at + self._config.interval_s, loop.time())
             await asyncio.sleep(next_at - loop.time())
@@ -260,31 +262,37 @@ class Agent:
                 self._xids.popleft()
             if self._latest is not None:
                 sample, self._latest = self._latest, None
-                if self.relay is not None and self.relay.pending:
-                    await self._relay(client, sample)  # the sample goes with the steps
-                else:
-                    await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
+                await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
                 self.published_samples += 1
+            if self._relay_due:
+                self._relay_due = False
+                if self.relay is not None and self.relay.pending:
+                    await self._relay(client)
             self._wakeup.clear()
-            if not self._xids and self._latest is None:
+            if not self._xids and self._latest is None and not self._relay_due:
                 await self._wakeup.wait()
 
-    async def _relay(self, client: aiomqtt.Client, sample: wire.NodeGpu) -> None:
-        """Every rank's batches relayed since the last tick, with this tick's sample,
-        in as few messages as their size allows; each sender hears what went out. A
-        batch whose publish failed is not confirmed: its rank publishes it itself."""
+    async def _relay(self, client: aiomqtt.Client) -> None:
+        """Every rank's batches relayed up to this tick, in as few messages as their
+        size allows (what arrives meanwhile waits for the next tick), each at QoS 1:
+        a sender hears of its batch once the broker has it. A batch whose publish
+        failed is not confirmed: its rank publishes it itself. The sample goes on its
+        own topic as ever, the machine's heartbeat for a daemon or broker ACL that
+        does not know this one."""
         assert self.relay is not None
         topic = wire.node_topic(self.node, "iter")
-        gpu: wire.NodeGpu | None = sample
-        while self.relay.pending:
-            taken = self.relay.take()
+        left = self.relay.pending
+        while left > 0:
+            taken = self.relay.take(limit=min(left, wire.MAX_RELAYED_BATCHES))
+            if not taken:
+                break
+            left -= len(taken)
             batches = [b for _, _, b in taken]
-            message = wire.NodeIter(ts=time.time(), node=self.node, batches=batches, gpu=gpu)
-            await client.publish(topic, wire.encode(message), qos=0,
+            message = wire.NodeIter(ts=time.time(), node=self.node, batches=batches)
+            await client.publish(topic, wire.encode(message), qos=1,
                                  timeout=self._mqtt.connect_timeout_s)  # fmt: skip
             self.relay.confirm(taken)
             self.relayed_messages += 1
-            gpu = None
 
 
 class _XidWatcher:

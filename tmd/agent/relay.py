@@ -6,10 +6,16 @@ sender by number; a batch it could not publish is not confirmed, and its rank
 publishes it directly.
 
 A datagram is an 8-byte sequence number and an encoded ``IterBatch`` naming this
-machine; anything else is counted, logged at most once a minute, and dropped (the
-socket is open to the machine's users, as the ranks run as theirs). At most
-``max_pending`` batches wait for a flush; past that the oldest are dropped, and
-their ranks publish them directly once they go unconfirmed.
+machine; anything else is counted, logged at most once a minute, and dropped. At most
+``MAX_PENDING_BYTES`` of batches wait for a flush; past that the oldest are dropped,
+and so are batches older than ``STALE_S`` (the broker was away): their ranks
+publish them directly once they go unconfirmed.
+
+Trust: the socket is open to every user of the machine (the ranks run as the jobs'
+users), so any local process can relay step timings for a rank it names on this
+machine, as any holder of a job's broker credentials can. The daemon takes a relayed
+batch only where it names this machine and the job's status does not place its rank
+elsewhere; its bounds on jobs and ranks hold as for direct publishing.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ SEQ_BYTES: Final = 8
 _MAX_DATAGRAM: Final = 1 << 20
 _LOG_EVERY_S: Final = 60.0
 MAX_MESSAGE_BYTES: Final = 128 * 1024
-"""The relayed batches' bytes in one ``NodeIter``: half the daemon's default
-``ingest.max_payload_bytes``, leaving room for the sample and the framing."""
+"""The relayed batches' bytes in one ``NodeIter`` (as encoded in it): half the
+daemon's default ``ingest.max_payload_bytes``; a daemon set below it refuses them."""
+MAX_PENDING_BYTES: Final = 8 << 20
+"""Encoded batches waiting for a flush, at most."""
+STALE_S: Final = 5.0
+"""A batch waiting longer is not published: its rank has published it itself
+(``tmd.runtime.relay.CONFIRM_WITHIN``)."""
 
 Sender = str | bytes
 """A rank's socket address (abstract: bytes or a str starting with NUL)."""
@@ -42,15 +53,17 @@ Taken = tuple[Sender, int, wire.IterBatch]
 
 
 class Relay:
-    def __init__(self, path: str, node: str, *, max_pending: int = 65536) -> None:
+    def __init__(self, path: str, node: str, *, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.path = path
         self.node = node
-        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.received = 0
         self.rejected = 0
         self.dropped = 0
         self._pending: deque[Taken] = deque()
-        self._sizes: deque[int] = deque()
+        self._sizes: deque[tuple[int, float]] = deque()  # encoded bytes, when received
+        self._pending_bytes = 0
+        self._inode = 0
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._decoder = msgspec.json.Decoder(wire.IterBatch)
@@ -72,7 +85,8 @@ class Relay:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
         sock.bind(self.path)
-        os.chmod(self.path, 0o666)  # the ranks run as the job's users
+        os.chmod(self.path, 0o666)  # the ranks run as the jobs' users
+        self._inode = os.stat(self.path).st_ino
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
@@ -87,7 +101,8 @@ class Relay:
         self._sock.close()
         self._sock = None
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            if os.stat(self.path).st_ino == self._inode:  # not a newer agent's
+                os.unlink(self.path)
 
     def take(
         self, limit: int = wire.MAX_RELAYED_BATCHES, max_bytes: int = MAX_MESSAGE_BYTES
@@ -96,11 +111,19 @@ class Relay:
         of them, and no more than ``max_bytes`` of their encodings (at least one)."""
         out: list[Taken] = []
         size = 0
+        stale = time.monotonic() - STALE_S
         while self._pending and len(out) < limit:
-            if out and size + self._sizes[0] > max_bytes:
+            nbytes, received = self._sizes[0]
+            if out and size + nbytes > max_bytes:
                 break
-            size += self._sizes.popleft()
-            out.append(self._pending.popleft())
+            self._sizes.popleft()
+            self._pending_bytes -= nbytes
+            taken = self._pending.popleft()
+            if received < stale:
+                self.dropped += 1
+                continue
+            size += nbytes
+            out.append(taken)
         return out
 
     def confirm(self, taken: list[Taken]) -> None:
@@ -147,12 +170,14 @@ class Relay:
             self._reject(f"a batch of {batch.node[:128]!r} on {self.node!r}'s agent")
             return
         self.received += 1
-        if len(self._pending) >= self.max_pending:
+        nbytes = len(wire.encode(batch))  # as it will be in the message
+        while self._pending and self._pending_bytes + nbytes > self.max_pending_bytes:
             self._pending.popleft()
-            self._sizes.popleft()
+            self._pending_bytes -= self._sizes.popleft()[0]
             self.dropped += 1
         self._pending.append((sender, seq, batch))
-        self._sizes.append(len(data) - SEQ_BYTES)
+        self._sizes.append((nbytes, time.monotonic()))
+        self._pending_bytes += nbytes
 
     def _reject(self, why: str) -> None:
         self.rejected += 1

@@ -198,9 +198,13 @@ class Ingest:
         for batch in message.batches:
             try:
                 job = self._view.jobs.get(batch.job)
-                placed = job.members.get(batch.rank) if job is not None else None
-                if placed is not None and placed != node:
+                placed, generation = None, 0
+                if job is not None:
+                    placed, generation = job.members.get(batch.rank), job.generation
+                if placed is not None and placed != node and batch.generation >= generation:
                     # The job's status puts this rank elsewhere: not this agent's to say.
+                    # (A batch of an earlier generation may be a leaver's last, sent from
+                    # where the rank ran before the switch.)
                     raise ProtocolError("mismatch", f"rank {batch.rank} runs on {placed}")
                 self._apply_iter(batch, now)
             except ProtocolError as exc:  # this rank's batch only: the others count

@@ -159,31 +159,34 @@ class _Sender:
 
     def send_nodes(self, now_m: float) -> None:
         """As each node's agent relays (``via="agent"``): every node due by ``now_m`` in
-        this flush period publishes its ranks' batches and its GPU sample in one
-        ``NodeIter``."""
-        spec, nodes, out = self.spec, self.nodes, self.out
+        this flush period, each just after its last rank's step ended (as the
+        direct path publishes each rank's batch at its step's end: neither models a
+        wait for the next flush), publishes its ranks' batches in one ``NodeIter``,
+        and its GPU sample on its own topic, as ``tmd agent`` does."""
+        spec, nodes, n, out = self.spec, self.nodes, self.spec.ranks, self.out
         k = spec.ranks_per_node
-        due = min(nodes, int((now_m - self.period * spec.flush_s) / spec.flush_s * nodes) + 1)
+        frac = (now_m - self.period * spec.flush_s) / spec.flush_s
+        due = min(nodes, int(frac * n / k))
         while self.sent_nodes < due:
             i = self.sent_nodes
-            behind = now_m - (self.period * spec.flush_s + i / nodes * spec.flush_s)
-            out.max_behind_s = max(out.max_behind_s, behind)
+            slot = self.period * spec.flush_s + min(n, (i + 1) * k) / n * spec.flush_s
+            out.max_behind_s = max(out.max_behind_s, now_m - slot)
             now = time.time()
             node = node_of(i * k, k)
             batches = []
-            for r in range(i * k, min(spec.ranks, (i + 1) * k)):
+            for r in range(i * k, min(n, (i + 1) * k)):
                 steps = self._steps_done(r, now)
                 if steps:
                     batches.append(wire.IterBatch(ts=now, job=spec.job, rank=r, node=node,
                                                   steps=steps))  # fmt: skip
                     out.rank_steps += len(steps)
-            gpu = self._sample(i, now) if spec.gpu_health else None
             if batches:
-                message = wire.NodeIter(ts=now, node=node, batches=batches, gpu=gpu)
-                self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=0)
+                message = wire.NodeIter(ts=now, node=node, batches=batches)
+                self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=1)
                 out.messages += 1
-            elif gpu is not None:  # as the agent does with nothing to relay
-                self.client.publish(self.gpu_topics[i], wire.encode(gpu), qos=0)
+            if spec.gpu_health:
+                sample = wire.encode(self._sample(i, now))
+                self.client.publish(self.gpu_topics[i], sample, qos=0)
                 out.messages += 1
                 out.gpu_messages += 1
             self.sent_nodes += 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tmd import wire
+from tmd.agent import relay as agent_relay
 from tmd.agent.relay import Relay
 from tmd.runtime import relay as rank_relay
 from tmd.runtime.relay import AgentRelay
@@ -43,6 +44,11 @@ async def test_a_batch_the_agent_took_and_published_is_confirmed(
         for step in range(3):
             rank(*batch(step))
         await settle()
+        forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        forger.sendto((1).to_bytes(8, "big"), rank._sock.getsockname())  # not the agent
+        forger.close()
+        rank.poll()
+        assert rank.unconfirmed == 3 and rank.relayed == 0
         size = len(batch(0)[1])
         assert len(agent.take(max_bytes=2 * size - 1)) == 1  # split by size, at least one
         taken = agent.take()
@@ -62,18 +68,18 @@ async def test_a_batch_the_agent_took_and_published_is_confirmed(
 async def test_without_an_agent_or_after_it_died_batches_go_direct(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(rank_relay, "RETRY_AFTER", timedelta(0))  # try the agent each time
     path = str(tmp_path / "agent.sock")
     direct: list[str] = []
     rank = AgentRelay(path, lambda topic, _: direct.append(topic))
     rank(*batch(0))  # no socket at all
     assert direct == [wire.iter_topic("j", 3)] and rank.unconfirmed == 0
-    # A dead agent's socket file: nobody reads it.
+    # A dead agent's socket file: nobody reads it, the send is refused.
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     dead.bind(path)
     dead.close()
-    monkeypatch.setattr(rank_relay, "RETRY_AFTER", timedelta(0))
     rank(*batch(1))
-    assert len(direct) == 2 and rank.direct == 2
+    assert len(direct) == 2 and rank.direct == 2 and rank.unconfirmed == 0
     rank.close()
 
 
@@ -88,26 +94,29 @@ async def test_a_batch_the_agent_took_and_never_confirmed_is_sent_direct(
     direct: list[bytes] = []
     rank = AgentRelay(path, lambda _, payload: direct.append(payload))
     try:
-        topic, payload = batch(7)
-        rank(topic, payload)
+        first, second = batch(7), batch(8)
+        rank(*first)
+        rank(*second)
         await settle()
-        assert agent.pending == 1 and direct == []
+        assert agent.pending == 2 and direct == []
         await asyncio.sleep(0.15)
-        rank.poll()
-        assert direct == [payload] and rank.unconfirmed == 0
-        rank(*batch(8))  # the agent is given a rest: direct until RETRY_AFTER
-        assert len(direct) == 2
+        rank.poll()  # the first is overdue: both go direct, in order
+        assert direct == [first[1], second[1]] and rank.unconfirmed == 0
+        rank(*batch(9))  # the agent is given a rest: direct until RETRY_AFTER
+        assert len(direct) == 3
     finally:
         rank.close()
         agent.close()
 
 
-async def test_the_agent_refuses_what_is_not_a_batch_of_its_machine(tmp_path: Path) -> None:
+async def test_the_agent_refuses_what_is_not_a_batch_of_its_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = str(tmp_path / "agent.sock")
     agent = Relay(path, "m0")
     agent.open()
     sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sender.bind("\0tmd-test-relay-sender")
+    sender.bind(f"\0tmd-test-relay-{os.getpid()}")
     try:
         _, other = batch(0, node="m1")
         _, good = batch(1)
@@ -119,6 +128,10 @@ async def test_the_agent_refuses_what_is_not_a_batch_of_its_machine(tmp_path: Pa
         sender.sendto((4).to_bytes(8, "big") + good, path)
         await settle()
         assert agent.rejected == 4 and [seq for _, seq, _ in agent.take()] == [4]
+        sender.sendto((5).to_bytes(8, "big") + good, path)
+        await settle()
+        monkeypatch.setattr(agent_relay, "STALE_S", 0.0)  # its rank has sent it itself
+        assert agent.take() == [] and agent.dropped == 1
     finally:
         sender.close()
         agent.close()
