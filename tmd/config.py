@@ -232,6 +232,10 @@ class AgentConfig:
     # (``tmd.agent.relay``; the ranks look for ``/run/tmd/agent.sock``, which
     # systemd/tmd-agent.service sets). Empty: no relay; the ranks publish directly.
     relay_socket: str = ""
+    # Send the tick's GPU sample inside the relayed message rather than on its own
+    # ``gpu`` topic: one message per machine per tick. Only once every daemon and the
+    # broker's ACL know ``tmd/v1/node/{node}/iter``: the sample is the heartbeat.
+    relay_sample: bool = False
 
     def validate(self) -> None:
         if self.node:

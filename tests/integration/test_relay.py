@@ -1,7 +1,8 @@
 """Telemetry through the machine's agent (issue 16), all real but NVML: a mosquitto, a
 daemon, ``tmd agent`` as its own process (heartbeat only: no GPU here) relaying on a
 Unix socket, and a training job of one machine of two ranks pointed at it. Its steps
-reach the daemon's view in the agent's messages, one per machine each interval; the
+reach the daemon's view in the agent's messages, one per machine each interval, its
+GPU sample inside (``agent.relay_sample``); the
 agent hangs (SIGSTOP) with their batches in its socket, then dies (SIGKILL), and the
 ranks publish directly what it never confirmed and all that follows: every step of
 both ranks arrives, and the view counts each once."""
@@ -43,7 +44,7 @@ async def test_steps_come_through_the_agent_and_straight_on_once_it_dies(
     config.write_text(
         f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n'
         f'[agent]\nnode = "{NODE}"\nheartbeat_only = true\ninterval_s = 0.5\n'
-        f'relay_socket = "{sock}"\n'
+        f'relay_socket = "{sock}"\nrelay_sample = true\n'
     )
     agent = spawn_agent(config)
     received = daemon.metrics.received_by
@@ -62,6 +63,14 @@ async def test_steps_come_through_the_agent_and_straight_on_once_it_dies(
 
         await eventually(lambda: ranks_seen() and received["node_iter"].value >= 2, timeout_s=120)
         assert received["iter"].value == 0  # every batch so far came through the agent
+        # Its samples go inside what it relays (on its own topic on a tick with nothing
+        # to relay): the machine stays online, its sample fresh.
+        relayed, sample = received["node_iter"].value, daemon.view.nodes[NODE].sample
+        assert sample is not None
+        await eventually(lambda: received["node_iter"].value >= relayed + 2)
+        fresh = daemon.view.nodes[NODE]
+        assert fresh.state == "online" and fresh.sample is not None
+        assert fresh.sample.ts > sample.ts
         # Hung first: the ranks' batches pile up in its socket, taken and never
         # published; then dead, its socket file left behind with nobody reading it.
         agent.send_signal(signal.SIGSTOP)

@@ -260,27 +260,30 @@ class Agent:
                 # Removed only once the broker has it: at least once across reconnects.
                 await client.publish(xid_topic, wire.encode(self._xids[0]), qos=1, timeout=timeout)
                 self._xids.popleft()
-            if self._latest is not None:
-                sample, self._latest = self._latest, None
-                await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
-                self.published_samples += 1
+            sample, self._latest = self._latest, None
             if self._relay_due:
                 self._relay_due = False
                 if self.relay is not None and self.relay.pending:
-                    await self._relay(client)
+                    carried = sample if self._config.relay_sample else None
+                    if await self._relay(client, carried):
+                        sample = None  # it went with the steps
+                        self.published_samples += 1
+            if sample is not None:
+                await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
+                self.published_samples += 1
             self._wakeup.clear()
             if not self._xids and self._latest is None and not self._relay_due:
                 await self._wakeup.wait()
 
-    async def _relay(self, client: aiomqtt.Client) -> None:
+    async def _relay(self, client: aiomqtt.Client, sample: wire.NodeGpu | None) -> bool:
         """Every rank's batches relayed up to this tick, in as few messages as their
         size allows (what arrives meanwhile waits for the next tick), each at QoS 1:
         a sender hears of its batch once the broker has it. A batch whose publish
-        failed is not confirmed: its rank publishes it itself. The sample goes on its
-        own topic as ever, the machine's heartbeat for a daemon or broker ACL that
-        does not know this one."""
+        failed is not confirmed: its rank publishes it itself. ``sample`` (where
+        ``agent.relay_sample``) goes in the first message; whether it went."""
         assert self.relay is not None
         topic = wire.node_topic(self.node, "iter")
+        gpu, carried = sample, False
         left = self.relay.pending
         while left > 0:
             taken = self.relay.take(limit=min(left, wire.MAX_RELAYED_BATCHES))
@@ -288,11 +291,13 @@ class Agent:
                 break
             left -= len(taken)
             batches = [b for _, _, b in taken]
-            message = wire.NodeIter(ts=time.time(), node=self.node, batches=batches)
+            message = wire.NodeIter(ts=time.time(), node=self.node, batches=batches, gpu=gpu)
             await client.publish(topic, wire.encode(message), qos=1,
                                  timeout=self._mqtt.connect_timeout_s)  # fmt: skip
             self.relay.confirm(taken)
             self.relayed_messages += 1
+            carried, gpu = carried or gpu is not None, None
+        return carried
 
 
 class _XidWatcher:

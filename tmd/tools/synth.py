@@ -34,6 +34,7 @@ class SynthSpec:
     # "agent": each node's agent relays its ranks' batches with its GPU sample, one
     # NodeIter per node per flush (issue 16); "direct": one IterBatch per rank.
     via: Literal["direct", "agent"] = "direct"
+    relay_sample: bool = False  # via agent: the sample inside the NodeIter (agent.relay_sample)
     slow: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown (1.3 = +30%)
     seed: int = 0
 
@@ -180,13 +181,16 @@ class _Sender:
                     batches.append(wire.IterBatch(ts=now, job=spec.job, rank=r, node=node,
                                                   steps=steps))  # fmt: skip
                     out.rank_steps += len(steps)
+            sample = self._sample(i, now) if spec.gpu_health else None
             if batches:
-                message = wire.NodeIter(ts=now, node=node, batches=batches)
+                inside = sample if spec.relay_sample else None
+                message = wire.NodeIter(ts=now, node=node, batches=batches, gpu=inside)
                 self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=1)
                 out.messages += 1
-            if spec.gpu_health:
-                sample = wire.encode(self._sample(i, now))
-                self.client.publish(self.gpu_topics[i], sample, qos=0)
+                if inside is not None:
+                    sample = None
+            if sample is not None:
+                self.client.publish(self.gpu_topics[i], wire.encode(sample), qos=0)
                 out.messages += 1
                 out.gpu_messages += 1
             self.sent_nodes += 1

@@ -155,7 +155,7 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
 
 async def _measure(
     *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool,
-    via: str = "direct",
+    via: str = "direct", relay_sample: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
         daemon = Daemon(_config(host, port, ranks, state))
@@ -166,6 +166,7 @@ async def _measure(
         spec = synth.SynthSpec(
             host=host, port=port, job="bench", ranks=ranks, seconds=seconds, flush_s=flush_s,
             step_s=STEP_S, seed=1, via=via,  # type: ignore[arg-type]  # checked by main
+            relay_sample=relay_sample,
         )  # fmt: skip
         rss_before = _rss_mb()
         cpu0, wall0 = _cpu_s(), time.monotonic()
@@ -189,6 +190,7 @@ async def _measure(
         return {
             "ranks": ranks,
             "via": via,
+            "relay_sample": relay_sample if via == "agent" else None,
             "nodes": len(daemon.view.nodes),
             "seconds": seconds,
             "flush_s": flush_s,
@@ -246,8 +248,9 @@ def holds(r: Mapping[str, Any]) -> bool:
 
 
 def _search(
-    host: str, port: int, start: int, start_holds: bool, flush_s: float, via: str
-) -> dict[str, Any]:
+    host: str, port: int, start: int, start_holds: bool, flush_s: float, via: str,
+    relay_sample: bool,
+) -> dict[str, Any]:  # fmt: skip
     """Double N from ``start`` until the target fails, then bisect to within 1/8."""
     tried: list[dict[str, Any]] = []
 
@@ -261,6 +264,7 @@ def _search(
                 flush_s=flush_s,
                 stock_iterator=False,
                 via=via,
+                relay_sample=relay_sample,
             )
         )
         keys = ("ranks", "loss", "p99_latency_s", "publisher_max_behind_s", "rss_mb",
@@ -303,7 +307,12 @@ def main(argv: list[str]) -> int:
         choices=("direct", "agent"),
         default="direct",
         help="direct: every rank publishes its own batches; agent: each machine's agent "
-        "(8 ranks) relays them with its GPU sample, one message per machine per flush",
+        "(8 ranks) relays them, one message per machine per flush, its GPU sample apart",
+    )
+    p.add_argument(
+        "--relay-sample",
+        action="store_true",
+        help="with --via agent: the sample inside the relayed message (agent.relay_sample)",
     )
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the stock-iterator baseline run"
@@ -334,6 +343,7 @@ def main(argv: list[str]) -> int:
                 flush_s=args.flush_s,
                 stock_iterator=False,
                 via=args.via,
+                relay_sample=args.relay_sample,
             )
         )
         out["shortfalls"] = shortfalls(out)
@@ -349,6 +359,7 @@ def main(argv: list[str]) -> int:
                     flush_s=args.flush_s,
                     stock_iterator=True,
                     via=args.via,
+                    relay_sample=args.relay_sample,
                 )
             )
             out["baseline_stock_iterator"] = base
@@ -356,7 +367,9 @@ def main(argv: list[str]) -> int:
             out["cpu_ratio_vs_iterator"] = None if ratio is None else round(ratio, 3)
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
-            out.update(_search(host, port, args.ranks, out["holds_target"], args.flush_s, args.via))
+            found = _search(host, port, args.ranks, out["holds_target"], args.flush_s, args.via,
+                            args.relay_sample)  # fmt: skip
+            out.update(found)
     out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
