@@ -262,6 +262,8 @@ class Ingest:
                     if cancelling():  # aiomqtt's error in place of the cancellation
                         raise asyncio.CancelledError from exc
                     self._log.debug("probe not sent", error=str(exc))
+            if cancelling():  # a publish that swallowed the cancellation and returned
+                raise asyncio.CancelledError
             lag = self.freshness.lag_s(now)
             self._metrics.ingest_lag.set(lag if math.isfinite(lag) else -1.0)
             self._metrics.view_stale.set(0 if self.freshness.state(now) == "current" else 1)

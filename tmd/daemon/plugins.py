@@ -174,6 +174,8 @@ class Runner:
         backoff = self.MIN_BACKOFF_S
         try:
             while True:
+                if cancelling():  # a library swallowed the cancellation and returned
+                    raise asyncio.CancelledError
                 started = time.monotonic()
                 try:
                     plugin = self.spec.build(self._context)

@@ -380,14 +380,15 @@ def _migration(
     from tmd.runtime import JobController
 
     mid = "m-cold" if cold else "m-live"
-    extra = ["--start-key", START_KEY]
-    extra += ["--steps", "1000000", "--stop-key", STOP_KEY] if held else []
+    # A held job cannot end before its standby is up; one of --steps steps could.
+    extra = ["--steps", "1000000", "--stop-key", STOP_KEY] if held else ["--start-key", START_KEY]
     job = _job(out, args, per_node=per_node, standby=1, mode="cold" if cold else "plain",
                extra=extra)  # fmt: skip
     try:
         ctl = JobController(job.store, job=JOB)
-        ctl.wait_standbys("standby0", timeout=timedelta(minutes=10))
-        job.store.set(START_KEY, "1")
+        if not held:
+            ctl.wait_standbys("standby0", timeout=timedelta(minutes=10))
+            job.store.set(START_KEY, "1")
         _wait_step(job, args.prepare_at)
         t_prepare = time.time()
         ctl.prepare(mid, leaver="worker1", joiner="standby0")
