@@ -18,27 +18,25 @@ does not decide a migration that the actuator then holds for want of a standby.
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tmd import wire
+from tmd.daemon.columns import TIMING_FIELDS, StepColumns
 from tmd.daemon.freshness import Freshness
 from tmd.errors import ProtocolError
 
-# Order of the per-step durations stored in RankState.timings.
-TIMING_FIELDS = ("step_s", "compute_s", "allreduce_s", "optimizer_s", "data_s")
-_NF = len(TIMING_FIELDS)
-
 
 class RankState:
-    """One rank's recent steps, in a ring indexed by ``step % window``."""
+    """One rank: what it last reported, and its column of the job's ``StepColumns``
+    (its recent steps, row ``step % window``)."""
 
     __slots__ = (
+        "col",
+        "cols",
         "duplicates",
-        "end_ts",
         "generation",
         "last_seen",
         "last_step",
@@ -46,45 +44,49 @@ class RankState:
         "node",
         "rank",
         "run",
-        "steps",
-        "timings",
         "total_steps",
         "window",
     )
 
-    def __init__(self, rank: int, node: str, window: int) -> None:
+    def __init__(self, rank: int, node: str, cols: StepColumns) -> None:
         self.rank = rank
         self.node = node
-        self.window = window
+        self.cols = cols
+        self.col = cols.take(rank)
+        self.window = cols.window
         self.generation = 0
         self.run = 0
-        self.steps = array("q", [-1]) * window
-        self.end_ts = array("d", [0.0]) * window
-        self.timings = array("f", [0.0]) * (window * _NF)
         self.last_step = -1
         self.last_seen = 0.0
         self.total_steps = 0
         self.duplicates = 0
         self.late = 0
 
-    def add(self, s: wire.StepTiming) -> Literal["ok", "duplicate", "late"]:
-        step = s.step
+    @property
+    def steps(self) -> list[int]:
+        """The steps its column holds, by row (-1: none)."""
+        return [int(s) for s in self.cols.step[:, self.col]]
+
+    def add(
+        self, step: int, end_ts: float, step_s: float, compute_s: float,
+        allreduce_s: float, optimizer_s: float, data_s: float,
+    ) -> Literal["ok", "duplicate", "late"]:  # fmt: skip
         if step <= self.last_step - self.window:
             self.late += 1
             return "late"
+        cols, col = self.cols, self.col
         slot = step % self.window
-        if self.steps[slot] == step:
+        if cols.step[slot, col] == step:
             self.duplicates += 1
             return "duplicate"
-        self.steps[slot] = step
-        self.end_ts[slot] = s.end_ts
-        base = slot * _NF
-        t = self.timings
-        t[base] = s.step_s
-        t[base + 1] = s.compute_s
-        t[base + 2] = s.allreduce_s
-        t[base + 3] = s.optimizer_s
-        t[base + 4] = s.data_s
+        cols.step[slot, col] = step
+        cols.end_ts[slot, col] = end_ts
+        t = cols.timings
+        t[0, slot, col] = step_s
+        t[1, slot, col] = compute_s
+        t[2, slot, col] = allreduce_s
+        t[3, slot, col] = optimizer_s
+        t[4, slot, col] = data_s
         if step > self.last_step:
             self.last_step = step
         self.total_steps += 1
@@ -93,11 +95,11 @@ class RankState:
     def busy_at(self, step: int) -> float | None:
         """Time the rank spent on ``step`` other than waiting for its peers (the step
         minus the all-reduce wait), or None if the step is not held."""
+        cols, col = self.cols, self.col
         slot = step % self.window
-        if self.steps[slot] != step:
+        if cols.step[slot, col] != step:
             return None
-        base = slot * _NF
-        return self.timings[base] - self.timings[base + 2]
+        return float(cols.timings[0, slot, col] - cols.timings[2, slot, col])
 
     def new_run(self, run: int) -> None:
         """The job's launcher started it again: generations from 0, steps from its
@@ -107,8 +109,7 @@ class RankState:
 
     def reset(self) -> None:
         """Forget the held steps (kept: the counters, which only ever grow)."""
-        for i in range(self.window):
-            self.steps[i] = -1
+        self.cols.step[:, self.col] = -1
         self.last_step = -1
 
     def recent(self, field_name: str = "compute_s", *, last: int | None = None) -> list[float]:
@@ -116,12 +117,12 @@ class RankState:
         the whole window), oldest first. O(last): the ring is walked in step order."""
         offset = TIMING_FIELDS.index(field_name)
         n = self.window if last is None else min(last, self.window)
-        steps, timings, window = self.steps, self.timings, self.window
+        cols, col, window = self.cols, self.col, self.window
         out = []
         for step in range(max(0, self.last_step - n + 1), self.last_step + 1):
             slot = step % window
-            if steps[slot] == step:
-                out.append(timings[slot * _NF + offset])
+            if cols.step[slot, col] == step:
+                out.append(float(cols.timings[offset, slot, col]))
         return out
 
 
@@ -141,6 +142,9 @@ class JobView:
     # machines a Restart asked the job to go on without, as its status says
     excluded: frozenset[str] = frozenset()
     ranks: dict[int, RankState] = field(default_factory=dict)
+    cols: StepColumns | None = None
+    """Its reporting ranks' recent steps, a column each (``RankState.col``); None
+    until one reports."""
     last_seen: float = 0.0
     status_ts: float = 0.0
     held: int = 0
@@ -233,7 +237,9 @@ class ClusterView:
         if job is None:
             job = self._job(batch.job, now)
         if state is None:
-            state = job.ranks[rank] = RankState(rank, batch.node, self.window_steps)
+            if job.cols is None:
+                job.cols = StepColumns(self.window_steps)
+            state = job.ranks[rank] = RankState(rank, batch.node, job.cols)
             self.total_ranks += 1
             self._hold(job, _held(len(job.ranks), job))
         if batch.run is not None and batch.run < state.run:
@@ -258,7 +264,8 @@ class ClusterView:
                 state.late += 1
                 out.late += 1
                 continue
-            result = state.add(s)
+            result = state.add(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s,
+                               s.optimizer_s, s.data_s)  # fmt: skip
             if result == "ok":
                 out.accepted += 1
             elif result == "duplicate":
@@ -300,7 +307,8 @@ class ClusterView:
         job.local_ranks = {m.rank: m.local_rank for m in status.members}
         job.standbys = standbys
         for rank in gone:
-            del job.ranks[rank]
+            state = job.ranks.pop(rank)
+            state.cols.give_back(state.col)
             self.total_ranks -= 1
         self._hold(job, held)
 

@@ -1,0 +1,81 @@
+"""A job's recent steps as columns: one column per reporting rank, one row per step.
+
+Row ``step % window`` of column ``c`` holds that step of the rank in column ``c``
+(``step`` says which step a row holds, -1 none): its end time and its durations in
+``TIMING_FIELDS`` order. What reads a whole job at one step (the straggler detector:
+every rank's busy time at a step, their median) takes a row as one vector instead of
+one Python object per rank. A rank that leaves gives its column back for the next
+to take; the arrays grow by doubling, so a rank joining costs O(1) amortized.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+TIMING_FIELDS: Final = ("step_s", "compute_s", "allreduce_s", "optimizer_s", "data_s")
+"""Order of the per-step durations in ``StepColumns.timings``."""
+NF: Final = len(TIMING_FIELDS)
+STEP_S, COMPUTE_S, ALLREDUCE_S, OPTIMIZER_S, DATA_S = range(NF)
+
+
+class StepColumns:
+    """``window`` rows of steps for up to ``capacity`` ranks (it grows on demand)."""
+
+    __slots__ = ("end_ts", "free", "n", "rank", "step", "timings", "window")
+
+    def __init__(self, window: int, capacity: int = 8) -> None:
+        self.window = window
+        self.n = 0  # columns ever handed out; those in ``free`` are not in use
+        self.free: list[int] = []
+        self.step: npt.NDArray[np.int64] = np.full((window, capacity), -1, np.int64)
+        self.end_ts: npt.NDArray[np.float64] = np.zeros((window, capacity), np.float64)
+        # float32: a duration to 7 digits is plenty, and half the memory at 131k ranks.
+        self.timings: npt.NDArray[np.float32] = np.zeros((NF, window, capacity), np.float32)
+        self.rank: npt.NDArray[np.int64] = np.full(capacity, -1, np.int64)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.rank.shape[0])
+
+    def take(self, rank: int) -> int:
+        """A column for ``rank``, empty."""
+        if self.free:
+            col = self.free.pop()
+        else:
+            if self.n == self.capacity:
+                self._grow(2 * self.capacity)
+            col = self.n
+            self.n += 1
+        self.rank[col] = rank
+        self.step[:, col] = -1
+        return col
+
+    def give_back(self, col: int) -> None:
+        self.rank[col] = -1
+        self.step[:, col] = -1
+        self.free.append(col)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        step = np.full((self.window, capacity), -1, np.int64)
+        step[:, :old] = self.step
+        end_ts = np.zeros((self.window, capacity), np.float64)
+        end_ts[:, :old] = self.end_ts
+        timings = np.zeros((NF, self.window, capacity), np.float32)
+        timings[:, :, :old] = self.timings
+        rank = np.full(capacity, -1, np.int64)
+        rank[:old] = self.rank
+        self.step, self.end_ts, self.timings, self.rank = step, end_ts, timings, rank
+
+    def held(self, step: int) -> npt.NDArray[np.bool_]:
+        """Which of the first ``n`` columns hold ``step``."""
+        held: npt.NDArray[np.bool_] = self.step[step % self.window, : self.n] == step
+        return held
+
+    def row(self, step: int, field: int) -> npt.NDArray[np.float32]:
+        """Field ``field`` of ``step`` in the first ``n`` columns (meaningful where
+        ``held``)."""
+        return self.timings[field, step % self.window, : self.n]
