@@ -42,6 +42,10 @@ GpuIndex = Annotated[int, msgspec.Meta(ge=0, lt=64)]
 MAX_STEPS_PER_BATCH: Final = 1024
 MAX_RELAYED_BATCHES: Final = 1024
 """Per ``NodeIter``: the batches of every rank of a machine since the last flush."""
+MAX_RELAYED_STEPS: Final = 1 << 16
+"""Per ``RelayedBatches``: the steps of its batches, all together."""
+MAX_RELAYED_JOBS: Final = 64
+"""Per ``NodeIter``: the jobs whose ranks run on the machine."""
 MAX_GPUS_PER_NODE: Final = 64
 MAX_MEMBERS: Final = 1 << 20
 
@@ -147,10 +151,87 @@ class IterBatch(Message, kw_only=True, frozen=True):
     to; None from a runtime before runs were sent (then the job's status tells)."""
 
 
+Row = tuple[int, float, float, float, float, float, float]
+"""A step as ``StepTiming`` orders it: step, end_ts, then the durations."""
+
+_STEP_FIELDS: Final = ("step", "end_ts", "step_s", "compute_s", "allreduce_s",
+                       "optimizer_s", "data_s")  # fmt: skip
+
+
+class RelayedBatches(msgspec.Struct, kw_only=True, frozen=True):
+    """One job's batches in a ``NodeIter``, as columns: batch ``i`` is rank
+    ``rank[i]``'s, made at ``ts[i]``, of ``generation[i]`` and ``run[i]`` (as in
+    ``IterBatch``), with ``count[i]`` steps. The step columns hold the steps of every
+    batch, batch after batch, each field of ``StepTiming`` a column. What a rank
+    published as ``IterBatch`` naming the ``NodeIter``'s node, in a form the daemon
+    reads without a Python object per step (``batches`` gives them back)."""
+
+    job: Name
+    rank: Annotated[list[Rank], msgspec.Meta(min_length=1, max_length=MAX_RELAYED_BATCHES)]
+    ts: Annotated[list[Timestamp], msgspec.Meta(max_length=MAX_RELAYED_BATCHES)]
+    generation: Annotated[list[Count], msgspec.Meta(max_length=MAX_RELAYED_BATCHES)]
+    run: Annotated[list[Count | None], msgspec.Meta(max_length=MAX_RELAYED_BATCHES)]
+    count: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS_PER_BATCH)]],
+        msgspec.Meta(max_length=MAX_RELAYED_BATCHES),
+    ]
+    step: Annotated[list[Step], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+    end_ts: Annotated[list[Timestamp], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+    step_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+    compute_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+    allreduce_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+    optimizer_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+    data_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_RELAYED_STEPS)]
+
+    def check(self) -> None:
+        """ProtocolError ``schema`` unless the columns line up: one entry per batch in
+        each batch column, ``sum(count)`` in each step column."""
+        n = len(self.rank)
+        if not len(self.ts) == len(self.generation) == len(self.run) == len(self.count) == n:
+            raise ProtocolError("schema", "relayed batch columns of different lengths")
+        steps = sum(self.count)
+        if any(len(getattr(self, f)) != steps for f in _STEP_FIELDS):
+            raise ProtocolError("schema", f"relayed step columns hold other than {steps} steps")
+
+    def rows(self) -> Iterable[tuple[int, list[Row]]]:
+        """``(i, its steps)`` for each batch ``i``, in order (after ``check``)."""
+        columns = zip(self.step, self.end_ts, self.step_s, self.compute_s, self.allreduce_s,
+                      self.optimizer_s, self.data_s, strict=True)  # fmt: skip
+        for i, count in enumerate(self.count):
+            yield i, [next(columns) for _ in range(count)]
+
+    def batches(self, node: str) -> list[IterBatch]:
+        """The batches as their ranks made them (after ``check``)."""
+        return [
+            IterBatch(ts=self.ts[i], job=self.job, rank=self.rank[i], node=node,
+                      generation=self.generation[i], run=self.run[i],
+                      steps=[StepTiming(*row) for row in rows])
+            for i, rows in self.rows()
+        ]  # fmt: skip
+
+    @classmethod
+    def of(cls, batches: Iterable[IterBatch]) -> list[RelayedBatches]:
+        """``batches`` as columns, one ``RelayedBatches`` per job, in order of first
+        appearance (each job's batches in their order)."""
+        by_job: dict[str, list[IterBatch]] = {}
+        for b in batches:
+            by_job.setdefault(b.job, []).append(b)
+        out = []
+        for job, bs in by_job.items():
+            steps = [s for b in bs for s in b.steps]
+            out.append(cls(
+                job=job, rank=[b.rank for b in bs], ts=[b.ts for b in bs],
+                generation=[b.generation for b in bs], run=[b.run for b in bs],
+                count=[len(b.steps) for b in bs],
+                **{f: [getattr(s, f) for s in steps] for f in _STEP_FIELDS},
+            ))  # fmt: skip
+        return out
+
+
 class NodeIter(Message, kw_only=True, frozen=True):
     """``tmd/v1/node/{node}/iter``, QoS 1: what a machine's agent relays each tick, one
-    message for the ranks on the machine (``tmd.agent.relay``): each rank's batches
-    as the rank made them, every one naming this node. ``gpu``, a sample of the same
+    message for the ranks on the machine (``tmd.agent.relay``): the ranks' batches as
+    they made them, as columns per job (``RelayedBatches``). ``gpu``, a sample of the same
     tick, is read where present; ``tmd agent`` sends its samples on ``gpu`` as ever
     (the heartbeat for a daemon or broker ACL that does not know this topic). Added
     in protocol 1 without a version change: ranks without an agent, or whose agent
@@ -159,7 +240,7 @@ class NodeIter(Message, kw_only=True, frozen=True):
     ACL before the agents."""
 
     node: Name
-    batches: Annotated[list[IterBatch], msgspec.Meta(min_length=1, max_length=MAX_RELAYED_BATCHES)]
+    jobs: Annotated[list[RelayedBatches], msgspec.Meta(min_length=1, max_length=MAX_RELAYED_JOBS)]
     gpu: NodeGpu | None = None
 
 

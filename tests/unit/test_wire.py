@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,3 +183,29 @@ def test_default_node_name_is_a_topic_segment() -> None:
         ).node
         == name
     )
+
+
+def test_relayed_batches_as_columns_give_back_the_batches() -> None:
+    """A machine's relayed batches (``NodeIter``) travel as columns per job, in order,
+    and read back as the batches their ranks made, through JSON."""
+
+    def batch(job: str, rank: int, *steps: int, run: int | None = None) -> wire.IterBatch:
+        timings = [wire.StepTiming(s, 1e9 + s, 1.0, 0.5 + rank / 8, 0.3, 0.1, 0.1) for s in steps]
+        return wire.IterBatch(ts=1e9 + rank, job=job, rank=rank, node="n0", generation=rank % 2,
+                              run=run, steps=timings)  # fmt: skip
+
+    batches = [batch("a", 0, 1, 2, 3), batch("b", 4, 7, run=2), batch("a", 1, 3), batch("a", 0, 4)]
+    message = wire.NodeIter(ts=1e9, node="n0", jobs=wire.RelayedBatches.of(batches))
+    got = wire.decode(wire.encode(message), wire.NodeIter)
+    assert [j.job for j in got.jobs] == ["a", "b"]
+    for relayed in got.jobs:
+        relayed.check()
+    assert got.jobs[0].count == [3, 1, 1] and got.jobs[0].step == [1, 2, 3, 3, 4]
+    back = got.jobs[0].batches("n0") + got.jobs[1].batches("n0")
+    assert back == [batches[0], batches[2], batches[3], batches[1]]
+    (a, _) = got.jobs
+    with pytest.raises(ProtocolError, match="steps") as err:
+        msgspec.structs.replace(a, compute_s=a.compute_s[:-1]).check()
+    assert err.value.reason == "schema"
+    with pytest.raises(ProtocolError, match="lengths"):
+        msgspec.structs.replace(a, ts=a.ts[:-1]).check()

@@ -291,7 +291,8 @@ class Agent:
                 break
             left -= len(taken)
             batches = [b for _, _, b in taken]
-            message = wire.NodeIter(ts=time.time(), node=self.node, batches=batches, gpu=gpu)
+            message = wire.NodeIter(ts=time.time(), node=self.node,
+                                    jobs=wire.RelayedBatches.of(batches), gpu=gpu)  # fmt: skip
             await client.publish(topic, wire.encode(message), qos=1,
                                  timeout=self._mqtt.connect_timeout_s)  # fmt: skip
             self.relay.confirm(taken)

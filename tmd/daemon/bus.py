@@ -77,9 +77,16 @@ class Bus:
             self._routes.clear()
 
     def publish(self, event: object) -> None:
-        kind = type(event)
+        for sub in self._route(type(event)):
+            sub.put(event)
+
+    def wants(self, kind: type) -> bool:
+        """Whether a subscriber takes events of ``kind``: what costs to make need not
+        be made for no one."""
+        return bool(self._route(kind))
+
+    def _route(self, kind: type) -> list[Subscription]:
         route = self._routes.get(kind)
         if route is None:
             route = self._routes[kind] = [s for s in self._subs if issubclass(kind, s.kinds)]
-        for sub in route:
-            sub.put(event)
+        return route

@@ -18,7 +18,7 @@ import asyncio
 import math
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import aiomqtt
@@ -30,7 +30,7 @@ from tmd.connection import ClientFactory, cancelling, reconnect_forever
 from tmd.daemon.bus import Bus
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
-from tmd.daemon.view import ClusterView
+from tmd.daemon.view import ClusterView, StepsApplied
 from tmd.errors import ProtocolError, PublishError, TmdError
 
 _NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid", "iter": "node_iter"}
@@ -169,7 +169,16 @@ class Ingest:
             self._bus.publish(message)
 
     def _apply_iter(self, batch: wire.IterBatch, now: float) -> None:
-        applied = self._view.apply_iter(batch, now)
+        rows = [(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s, s.optimizer_s,
+                 s.data_s) for s in batch.steps]  # fmt: skip
+        applied = self._view.apply_steps(
+            batch.job, batch.rank, batch.node, batch.generation, batch.run, rows, now
+        )
+        self._count(applied)
+        self._applied(batch.ts, rows, now)
+
+    def _count(self, applied: StepsApplied) -> None:
+        """Count steps the view took, by outcome."""
         m = self._metrics
         if applied.accepted:
             m.steps_by["accepted"].inc(applied.accepted)
@@ -177,41 +186,69 @@ class Ingest:
             m.steps_by["duplicate"].inc(applied.duplicate)
         if applied.late:
             m.steps_by["late"].inc(applied.late)
-        m.latency.observe(max(0.0, now - batch.ts))
+
+    def _applied(self, sent: float, rows: Sequence[wire.Row], now: float) -> None:
+        """A batch the view took (``rows``, sent at ``sent`` on its rank's clock): its
+        latency."""
+        self._metrics.latency.observe(max(0.0, now - sent))
 
     def _apply_relayed(
         self, message: wire.NodeIter, node: str, now: float, *, publish: bool
     ) -> None:
         """A machine's agent relayed its ranks' batches (and its GPU sample): each
-        applied as if its rank had published it, and put on the bus as such (a batch
-        the view refuses is counted and the rest go on). Every part must name the
-        topic's machine, checked before any is applied: an agent speaks for the ranks
-        on its own machine only."""
+        applied as if its rank had published it (a batch the view refuses is counted
+        and the rest go on), and put on the bus as ``IterBatch`` where a plug-in takes
+        those. The whole message is checked before any of it is applied: its parts
+        name the topic's machine (an agent speaks for the ranks on its own machine
+        only) and its columns line up."""
         if message.node != node or (message.gpu is not None and message.gpu.node != node):
             raise ProtocolError("mismatch", "node differs from the topic")
-        if any(b.node != node for b in message.batches):
-            raise ProtocolError("mismatch", "a relayed batch names another machine")
+        for relayed in message.jobs:
+            relayed.check()
+        view = self._view
         if message.gpu is not None:
-            self._view.apply_gpu(message.gpu, now)
+            view.apply_gpu(message.gpu, now)
             if publish:
                 self._bus.publish(message.gpu)
-        for batch in message.batches:
-            try:
-                job = self._view.jobs.get(batch.job)
-                placed, generation = None, 0
-                if job is not None:
-                    placed, generation = job.members.get(batch.rank), job.generation
-                if placed is not None and placed != node and batch.generation >= generation:
-                    # The job's status puts this rank elsewhere: not this agent's to say.
-                    # (A batch of an earlier generation may be a leaver's last, sent from
-                    # where the rank ran before the switch.)
-                    raise ProtocolError("mismatch", f"rank {batch.rank} runs on {placed}")
-                self._apply_iter(batch, now)
-            except ProtocolError as exc:  # this rank's batch only: the others count
-                self._reject(wire.iter_topic(batch.job, batch.rank), "node_iter", exc, now)
-                continue
-            if publish:
-                self._bus.publish(batch)
+        bus_wants = publish and self._bus.wants(wire.IterBatch)
+        took: list[int] = []  # batches the view took, to go on the bus
+        total = StepsApplied()  # counted once per message
+        for relayed in message.jobs:
+            name = relayed.job
+            job = view.jobs.get(name)
+            ranks, generations, runs, sent = (
+                relayed.rank,
+                relayed.generation,
+                relayed.run,
+                relayed.ts,
+            )
+            for i, rows in relayed.rows():
+                rank, generation = ranks[i], generations[i]
+                try:
+                    if job is not None:
+                        placed = job.members.get(rank)
+                        if placed is not None and placed != node and generation >= job.generation:
+                            # The job's status puts this rank elsewhere: not this agent's
+                            # to say. (A batch of an earlier generation may be a leaver's
+                            # last, sent from where the rank ran before the switch.)
+                            raise ProtocolError("mismatch", f"rank {rank} runs on {placed}")
+                    applied = view.apply_steps(name, rank, node, generation, runs[i], rows, now)
+                except ProtocolError as exc:  # this rank's batch only: the others count
+                    self._reject(wire.iter_topic(name, rank), "node_iter", exc, now)
+                    continue
+                job = view.jobs.get(name)  # created by the first batch of a new job
+                total.accepted += applied.accepted
+                total.duplicate += applied.duplicate
+                total.late += applied.late
+                self._applied(sent[i], rows, now)
+                if bus_wants:
+                    took.append(i)
+            if took:
+                batches = relayed.batches(node)
+                for i in took:
+                    self._bus.publish(batches[i])
+                took.clear()
+        self._count(total)
 
     def _reject(self, topic: str, kind: str, exc: ProtocolError, now: float) -> None:
         self._metrics.rejected_by[exc.reason].inc()

@@ -19,7 +19,7 @@ does not decide a migration that the actuator then holds for want of a standby.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -221,51 +221,62 @@ class ClusterView:
     # -- apply: one per wire type, each O(size of the message) ---------------------------
 
     def apply_iter(self, batch: wire.IterBatch, now: float) -> StepsApplied:
+        return self.apply_steps(
+            batch.job, batch.rank, batch.node, batch.generation, batch.run,
+            [(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s, s.optimizer_s, s.data_s)
+             for s in batch.steps],
+            now,
+        )  # fmt: skip
+
+    def apply_steps(
+        self, job_name: str, rank: int, node: str, generation: int, run: int | None,
+        rows: Sequence[wire.Row], now: float,
+    ) -> StepsApplied:  # fmt: skip
+        """One batch of a rank's steps (``rows``, at least one), whether the rank sent
+        it (``IterBatch``) or its machine's agent relayed it (``RelayedBatches``)."""
         # Every check before anything is created: a rejected message takes no slot.
-        job = self.jobs.get(batch.job)
-        rank = batch.rank
+        job = self.jobs.get(job_name)
         bound = self.max_ranks_per_job
         if job is not None and job.world_size is not None:
             bound = job.world_size
         if rank >= bound:
-            raise ProtocolError("rank", f"rank {rank} out of range for job {batch.job} (< {bound})")
+            raise ProtocolError("rank", f"rank {rank} out of range for job {job_name} (< {bound})")
         state = job.ranks.get(rank) if job is not None else None
         # A new rank costs nothing where the job's status already listed as many members.
         grows = state is None and (job is None or len(job.ranks) >= len(job.members))
         if grows and self.held_ranks >= self.max_ranks:
             raise _too_many_ranks(self.max_ranks)
         if job is None:
-            job = self._job(batch.job, now)
+            job = self._job(job_name, now)
         if state is None:
             if job.cols is None:
                 job.cols = StepColumns(self.window_steps)
-            state = job.ranks[rank] = RankState(rank, batch.node, job.cols)
+            state = job.ranks[rank] = RankState(rank, node, job.cols)
             self.total_ranks += 1
             self._hold(job, _held(len(job.ranks), job))
-        if batch.run is not None and batch.run < state.run:
+        if run is not None and run < state.run:
             # A batch of a run the job has left behind (delivered late, say after the
             # daemon reconnected): its timeline is gone, every step is late.
-            state.late += len(batch.steps)
-            return StepsApplied(late=len(batch.steps))
-        if batch.run is not None and batch.run > state.run:
-            state.new_run(batch.run)  # a new run counts its generations from 0 again
-        elif batch.generation > state.generation and batch.steps[0].step <= state.last_step:
+            state.late += len(rows)
+            return StepsApplied(late=len(rows))
+        if run is not None and run > state.run:
+            state.new_run(run)  # a new run counts its generations from 0 again
+        elif generation > state.generation and rows[0][0] <= state.last_step:
             state.reset()  # a new generation restarted from an earlier step: a rollback
         # An older generation's steps past what the newer one reached belong to a
         # timeline that was rolled back: too late to count.
-        stale_above = state.last_step if batch.generation < state.generation else None
-        state.node = batch.node
-        state.generation = max(state.generation, batch.generation)
+        stale_above = state.last_step if generation < state.generation else None
+        state.node = node
+        state.generation = max(state.generation, generation)
         state.last_seen = now
         job.last_seen = now
         out = StepsApplied()
-        for s in batch.steps:
-            if stale_above is not None and s.step > stale_above:
+        for row in rows:
+            if stale_above is not None and row[0] > stale_above:
                 state.late += 1
                 out.late += 1
                 continue
-            result = state.add(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s,
-                               s.optimizer_s, s.data_s)  # fmt: skip
+            result = state.add(*row)
             if result == "ok":
                 out.accepted += 1
             elif result == "duplicate":

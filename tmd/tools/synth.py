@@ -184,7 +184,8 @@ class _Sender:
             sample = self._sample(i, now) if spec.gpu_health else None
             if batches:
                 inside = sample if spec.relay_sample else None
-                message = wire.NodeIter(ts=now, node=node, batches=batches, gpu=inside)
+                message = wire.NodeIter(ts=now, node=node, jobs=wire.RelayedBatches.of(batches),
+                                        gpu=inside)  # fmt: skip
                 self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=1)
                 out.messages += 1
                 if inside is not None:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import aiomqtt
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,7 +97,7 @@ def test_handler_applies_publishes_and_counts() -> None:
 def test_a_machine_s_relayed_batches_count_as_if_each_rank_had_published_them() -> None:
     """``NodeIter`` (issue 16): each rank's batch and the agent's sample applied and
     passed on as their own messages; a batch the view refuses costs only itself; a
-    message speaking for another machine is refused whole."""
+    message whose columns do not line up is refused whole."""
     ingest, view, metrics, bus = make_ingest()
     seen = bus.subscribe("t", (wire.IterBatch, wire.NodeGpu))
     t = time.time()
@@ -108,8 +109,8 @@ def test_a_machine_s_relayed_batches_count_as_if_each_rank_had_published_them() 
         step = wire.StepTiming(5, t, 1, 1, 0, 0, 0)
         return wire.IterBatch(ts=t, job="j", rank=rank, node=node, steps=[step])
 
-    relayed = wire.NodeIter(ts=t, node="n0", batches=[batch(0), batch(9), batch(1)],
-                            gpu=wire.NodeGpu(ts=t, node="n0"))  # fmt: skip
+    relayed = wire.NodeIter(ts=t, node="n0", jobs=wire.RelayedBatches.of([batch(0), batch(9),
+                            batch(1)]), gpu=wire.NodeGpu(ts=t, node="n0"))  # fmt: skip
     ingest.handle(wire.node_topic("n0", "iter"), wire.encode(relayed))
     assert sorted(view.jobs["j"].ranks) == [0, 1] and view.nodes["n0"].sample is not None
     assert [type(m).__name__ for m in seen._queue] == ["NodeGpu", "IterBatch", "IterBatch"]
@@ -117,13 +118,17 @@ def test_a_machine_s_relayed_batches_count_as_if_each_rank_had_published_them() 
     assert sample("tmd_messages_received_total", {"kind": "node_iter"}) == 1
     assert sample("tmd_rank_steps_total", {"outcome": "accepted"}) == 2
     assert sample("tmd_messages_rejected_total", {"reason": "rank"}) == 1  # rank 9 of 2
-    forged = wire.NodeIter(ts=t, node="n0", batches=[batch(2), batch(3, node="n1")])
-    ingest.handle(wire.node_topic("n0", "iter"), wire.encode(forged))
-    assert sample("tmd_messages_rejected_total", {"reason": "mismatch"}) == 1
+    # Two batches, one step too few in the step columns: nothing of it applied.
+    (columns,) = wire.RelayedBatches.of([batch(0), batch(1)])
+    short = msgspec.structs.replace(columns, step=[6])
+    ingest.handle(wire.node_topic("n0", "iter"),
+                  wire.encode(wire.NodeIter(ts=t, node="n0", jobs=[short])))  # fmt: skip
+    assert sample("tmd_messages_rejected_total", {"reason": "schema"}) == 1
+    assert sample("tmd_rank_steps_total", {"outcome": "accepted"}) == 2
     # n1's agent speaking for rank 1, which the job's status places on n0.
-    elsewhere = wire.NodeIter(ts=t, node="n1", batches=[batch(1, node="n1")])
+    elsewhere = wire.NodeIter(ts=t, node="n1", jobs=wire.RelayedBatches.of([batch(1, "n1")]))
     ingest.handle(wire.node_topic("n1", "iter"), wire.encode(elsewhere))
-    assert sample("tmd_messages_rejected_total", {"reason": "mismatch"}) == 2
+    assert sample("tmd_messages_rejected_total", {"reason": "mismatch"}) == 1
     assert sorted(view.jobs["j"].ranks) == [0, 1] and view.jobs["j"].ranks[1].node == "n0"
 
 
@@ -283,9 +288,9 @@ _SAMPLES: list[tuple[str, wire.Message]] = [
     (wire.iter_topic("j", 1), wire.IterBatch(ts=_NOW, job="j", rank=1, node="n0",
                                               steps=[wire.StepTiming(3, _NOW, 1.0, 0.6, 0.3,
                                                                      0.05, 0.05)])),
-    (wire.node_topic("n0", "iter"), wire.NodeIter(ts=_NOW, node="n0", batches=[wire.IterBatch(
-        ts=_NOW, job="j", rank=1, node="n0", steps=[wire.StepTiming(3, _NOW, 1.0, 0.6, 0.3,
-                                                                    0.05, 0.05)])])),
+    (wire.node_topic("n0", "iter"), wire.NodeIter(ts=_NOW, node="n0", jobs=wire.RelayedBatches.of(
+        [wire.IterBatch(ts=_NOW, job="j", rank=1, node="n0", steps=[wire.StepTiming(
+            3, _NOW, 1.0, 0.6, 0.3, 0.05, 0.05)])]))),
     (wire.job_topic("j", "status"), wire.JobStatus(
         ts=_NOW, job="j", generation=0, world_size=2,
         members=[wire.Member(0, "n0", 0), wire.Member(1, "n0", 1)],

@@ -66,25 +66,20 @@ def test_the_publisher_may_fall_behind_by_half_the_shorter_of_flush_and_step(
     assert behind_limit_s(flush_s=flush_s, step_s=step_s) == pytest.approx(limit)
 
 
-def timing(step: int, end_ts: float) -> wire.StepTiming:
-    return wire.StepTiming(step, end_ts, 1.0, 0.6, 0.3, 0.05, 0.05)
-
-
-def batch(*ends: float, sent: float) -> wire.IterBatch:
-    steps = [timing(i + 1, end) for i, end in enumerate(ends)]
-    return wire.IterBatch(ts=sent, job="j", rank=0, node="n", steps=steps)
+def rows(*ends: float) -> list[wire.Row]:
+    return [(i + 1, end, 1.0, 0.6, 0.3, 0.05, 0.05) for i, end in enumerate(ends)]
 
 
 def test_latency_runs_from_each_steps_end_not_from_publishing() -> None:
     # Three steps batched and sent together at T0 + 3, applied 50 ms later: the first
     # step's user waited 2.05 s, however fresh the message was.
-    got = step_latencies(batch(T0 + 1, T0 + 2, T0 + 3, sent=T0 + 3.0), applied_at=T0 + 3.05)
+    got = step_latencies(rows(T0 + 1, T0 + 2, T0 + 3), applied_at=T0 + 3.05)
     assert got == pytest.approx([2.05, 1.05, 0.05])
 
 
 def test_a_late_publisher_shows_in_the_latency() -> None:
     # Sent 0.8 s after the step ended, applied at once: 0.8 s, not ~0.
-    assert step_latencies(batch(T0, sent=T0 + 0.8), applied_at=T0 + 0.8) == pytest.approx([0.8])
+    assert step_latencies(rows(T0), applied_at=T0 + 0.8) == pytest.approx([0.8])
 
 
 @pytest.mark.parametrize(

@@ -55,10 +55,11 @@ of the flush interval and the step. Behind by a whole one, it merges batches: fe
 larger messages, a lighter load than N ranks offer. Half is the margin allowed."""
 
 
-def step_latencies(batch: wire.IterBatch, applied_at: float) -> list[float]:
-    """Seconds from the end of each step in ``batch`` to ``applied_at``, when the
-    daemon applied it: a step that waited in the runtime's batch waited for the user."""
-    return [applied_at - s.end_ts for s in batch.steps]
+def step_latencies(rows: Sequence[wire.Row], applied_at: float) -> list[float]:
+    """Seconds from the end of each step of a batch (its ``rows``) to ``applied_at``,
+    when the daemon applied it: a step that waited in the runtime's batch, or in its
+    machine's agent, waited for the user."""
+    return [applied_at - row[1] for row in rows]
 
 
 def behind_limit_s(*, flush_s: float, step_s: float) -> float:
@@ -84,9 +85,9 @@ class BenchIngest(Ingest):
         self.latencies: array[float] = array("d")
         self._stock_iterator = stock_iterator
 
-    def _apply_iter(self, batch: wire.IterBatch, now: float) -> None:
-        super()._apply_iter(batch, now)  # a rank's own, or relayed by its machine's agent
-        self.latencies.extend(step_latencies(batch, now))
+    def _applied(self, sent: float, rows: Sequence[wire.Row], now: float) -> None:
+        super()._applied(sent, rows, now)  # a rank's own, or relayed by its agent
+        self.latencies.extend(step_latencies(rows, now))
 
     def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
         return None if self._stock_iterator else super()._queue_type()
