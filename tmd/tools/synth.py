@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
@@ -174,18 +175,30 @@ class _Sender:
             out.max_behind_s = max(out.max_behind_s, now_m - slot)
             now = time.time()
             node = node_of(i * k, k)
-            batches = []
+            ranks: list[int] = []
+            counts: list[int] = []
+            rows: list[tuple[Any, ...]] = []
             for r in range(i * k, min(n, (i + 1) * k)):
                 steps = self._steps_done(r, now)
                 if steps:
-                    batches.append(wire.IterBatch(ts=now, job=spec.job, rank=r, node=node,
-                                                  steps=steps))  # fmt: skip
+                    ranks.append(r)
+                    counts.append(len(steps))
+                    rows.extend(msgspec.structs.astuple(s) for s in steps)
                     out.rank_steps += len(steps)
             sample = self._sample(i, now) if spec.gpu_health else None
-            if batches:
+            if ranks:
+                # As the agent relays them (wire.RelayedBatches.of), made in place.
+                step, end_ts, step_s, compute_s, allreduce_s, optimizer_s, data_s = (
+                    list(c) for c in zip(*rows, strict=True)
+                )
+                relayed = wire.RelayedBatches(
+                    job=spec.job, rank=ranks, ts=[now] * len(ranks), generation=[0] * len(ranks),
+                    run=[None] * len(ranks), count=counts, step=step, end_ts=end_ts,
+                    step_s=step_s, compute_s=compute_s, allreduce_s=allreduce_s,
+                    optimizer_s=optimizer_s, data_s=data_s,
+                )  # fmt: skip
                 inside = sample if spec.relay_sample else None
-                message = wire.NodeIter(ts=now, node=node, jobs=wire.RelayedBatches.of(batches),
-                                        gpu=inside)  # fmt: skip
+                message = wire.NodeIter(ts=now, node=node, jobs=[relayed], gpu=inside)
                 self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=1)
                 out.messages += 1
                 if inside is not None:
