@@ -1,9 +1,9 @@
 """CI: what a user who installs only ``tmd[runtime]`` gets, checked in a fresh venv.
 
-Runs one live migration of a machine with ``tmd.runtime`` alone (no numpy, no dev
-tools): two workers and a standby under ``LocalJob``, driven by ``JobController``;
-exits non-zero unless every process switched and ended cleanly and the two workers
-end with equal parameters.
+Runs one live migration of a machine with ``tmd.runtime`` alone (none of the other
+extras: no matplotlib, no pytest): two workers and a standby under ``LocalJob``,
+driven by ``JobController``; exits non-zero unless every process switched and ended
+cleanly and the two workers end with equal parameters.
 
     python .ci/runtime_only.py          # the harness
 """
@@ -37,9 +37,13 @@ def train(out: Path) -> None:
 
 
 def main() -> int:
-    if importlib.util.find_spec("numpy") is not None:
-        print("runtime_only: numpy is installed here; run this in a venv with only tmd[runtime]")
-        return 2
+    for other in ("matplotlib", "pytest", "pynvml"):  # the demo, sim, dev and agent extras
+        if importlib.util.find_spec(other) is not None:
+            print(
+                f"runtime_only: {other} is installed here; run this in a venv with only "
+                "tmd[runtime]"
+            )
+            return 2
     import torch
 
     from tmd.runtime import JobController
