@@ -38,6 +38,9 @@ class Stragglers:
     policies that replace stragglers (``rebalance``, ``fpi``) decide about: found,
     cleared, gone once its migration finished done or it left the job another way."""
 
+    # The events ``observe`` reads.
+    consumes = (events.StragglerFound, events.StragglerCleared, events.MigrationFinished)
+
     def __init__(self) -> None:
         self.by_key: dict[tuple[str, str], Straggler] = {}  # (job, node)
 

@@ -25,6 +25,7 @@ from tmd.daemon.journal import Journal
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
 from tmd.errors import JournalError
+from tmd.policies.base import Stragglers
 
 HOUSEKEEPING_INTERVAL_S = 60.0
 LAG_PROBE_INTERVAL_S = 1.0
@@ -67,6 +68,9 @@ class Daemon:
             max_nodes=ing.max_nodes,
             same_gpu_model=config.actuator.same_gpu_type,
         )
+        # The machines flagged slow now, for /metrics (the policies keep their own).
+        self.stragglers = Stragglers()
+        self.metrics.watch(self.view, self.stragglers)
         self.bus = Bus(on_drop=self._on_bus_drop)
         self.specs = plugin_specs(config)
         self.journal = Journal(config.journal.resolved_path())
@@ -107,7 +111,10 @@ class Daemon:
     def emit(self, event: events.Event, source: str) -> None:
         """A finding, decision or request: journal it, count it, log it, pass it on."""
         kind = type(event).__name__
-        note_finding(self.view, event, self.clock.now())
+        now = self.clock.now()
+        note_finding(self.view, event, now)
+        if isinstance(event, Stragglers.consumes):
+            self.stragglers.observe(event, now)
         self.metrics.events.labels(kind=kind).inc()
         try:
             self.journal.record(event, source=source)

@@ -375,18 +375,23 @@ class ClusterView:
         _note(self._lost if lost else self._faults, node, ts, self.max_nodes)
 
     def healthy(self, node: str) -> bool:
-        """No GpuFault on ``node`` since its agent last (re)started, and not ``lost``.
-        Judged on the daemon's clock, as messages arrived: an agent's own clock (its
-        messages' ts) may be anywhere."""
+        """Neither ``gpu_faulty`` nor ``lost``."""
+        return not self.gpu_faulty(node) and not self.lost(node)
+
+    def gpu_faulty(self, node: str) -> bool:
+        """A GpuFault on ``node`` since its agent last (re)started. Judged on the
+        daemon's clock, as messages arrived: an agent's own clock (its messages' ts)
+        may be anywhere."""
         since = self._faults.get(node)
-        if since is not None:
-            # A GPU fault keeps the node out until its agent restarts (a repaired
-            # node's agent does) and publishes its status live after the fault.
-            seen = self.nodes.get(node)
-            if seen is None or seen.state != "online" or seen.status_seen <= since:
-                return False
-            del self._faults[node]
-        return not self.lost(node)
+        if since is None:
+            return False
+        # A GPU fault keeps the node out until its agent restarts (a repaired node's
+        # agent does) and publishes its status live after the fault.
+        seen = self.nodes.get(node)
+        if seen is None or seen.state != "online" or seen.status_seen <= since:
+            return True
+        del self._faults[node]
+        return False
 
     def lost(self, node: str) -> bool:
         """Whether ``node`` is offline, or a NodeLost came and nothing from its agent

@@ -110,6 +110,8 @@ class Ledger:
             self.guard_state.restarting[flight.job] = flight.id
             self.guard_state.last_restart[(flight.job, flight.leaver)] = started
         else:
+            if self.metrics is not None:
+                self.metrics.migration_started(flight.policy)
             self.guard_state.record_start(
                 events.Migrate(ts=started, policy=flight.policy, reason="", job=flight.job,
                                node=flight.leaver),
@@ -172,7 +174,7 @@ class Ledger:
         if outcome == "done":
             self.replace(flight.job, flight.leaver, flight.joiner)
         if self.metrics is not None:
-            self.metrics.migrations.labels(outcome=outcome).inc()
+            self.metrics.migrations.labels(outcome=outcome, policy=flight.policy).inc()
             if downtime is not None:
                 # A switch cheaper than the step noise measures slightly below zero;
                 # the event and the journal keep that, the histogram (whose _sum must

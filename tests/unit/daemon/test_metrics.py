@@ -1,0 +1,140 @@
+"""What ``/metrics`` tells an operator about the cluster (``tmd.daemon.metrics``), read
+from a daemon's registry as Prometheus would scrape it, without a broker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.clock import FakeClock
+from tmd import config as config_mod
+from tmd import wire
+from tmd.daemon import events
+from tmd.daemon.daemon import Daemon
+
+TS = 1_800_000_000.0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    config = config_mod.from_dict({"journal": {"path": str(tmp_path / "j.sqlite3")}})
+    d = Daemon(config, clock=FakeClock(TS))
+    yield d
+    d.journal.close()
+
+
+def value(daemon: Daemon, name: str, **labels: str) -> float | None:
+    return daemon.metrics.registry.get_sample_value(name, labels)
+
+
+def status(job: str, members: list[str], standbys: dict[str, str]) -> wire.JobStatus:
+    return wire.JobStatus(
+        ts=TS, job=job, generation=0, world_size=len(members),
+        members=[wire.Member(rank=r, node=n) for r, n in enumerate(members)],
+        standbys=[wire.StandbyInfo(node=n, state=s)  # type: ignore[arg-type]
+                  for n, s in standbys.items()],
+    )  # fmt: skip
+
+
+def node(name: str, *, state: str = "online", role: str = "worker") -> wire.NodeStatus:
+    return wire.NodeStatus(ts=TS, node=name, state=state, role=role)  # type: ignore[arg-type]
+
+
+def test_machines_and_each_jobs_standbys_are_counted_when_scraped(daemon: Daemon) -> None:
+    view = daemon.view
+    view.apply_job_status(
+        status("a", ["n0", "n1"], {"s0": "ready", "s1": "warming", "s2": "ready"}), TS
+    )
+    machines = [("n0", "online", "worker"), ("n1", "online", "worker"),
+                ("s0", "online", "standby"), ("s2", "offline", "standby")]  # fmt: skip
+    for name, state, role in machines:
+        view.apply_node_status(node(name, state=state, role=role), TS)
+    view.apply_gpu(wire.NodeGpu(ts=TS, node="x0"), TS)  # a sample before any status
+    daemon.emit(events.GpuFault(ts=TS, node="s0", gpu=3, cause="xid 79"), "gpu_health")
+
+    assert value(daemon, "tmd_machines", role="worker", state="online") == 3  # x0: a sample
+    assert value(daemon, "tmd_machines", role="standby", state="online") == 1
+    assert value(daemon, "tmd_machines", role="standby", state="offline") == 1
+    assert value(daemon, "tmd_machines", role="worker", state="unknown") == 0  # every pair
+    assert value(daemon, "tmd_machines_out_of_service", cause="gpu_fault") == 1  # s0
+    assert value(daemon, "tmd_machines_out_of_service", cause="lost") == 1  # s2, offline
+    assert value(daemon, "tmd_job_standbys", tmd_job="a", state="ready") == 2
+    assert value(daemon, "tmd_job_standbys", tmd_job="a", state="warming") == 1
+    assert value(daemon, "tmd_job_standbys", tmd_job="a", state="failed") == 0
+    # s0 has a faulty GPU and s2 is offline: no standby can take a machine of the job.
+    assert value(daemon, "tmd_job_standbys_ready", tmd_job="a") == 0
+    assert value(daemon, "tmd_view_jobs") == 1 and value(daemon, "tmd_view_nodes") == 5
+
+    view.apply_node_status(node("s0", role="standby"), TS + 2)  # its agent restarted
+    assert value(daemon, "tmd_machines_out_of_service", cause="gpu_fault") == 0
+    assert value(daemon, "tmd_job_standbys_ready", tmd_job="a") == 1
+    assert view.forget_job("a")
+    assert value(daemon, "tmd_job_standbys_ready", tmd_job="a") is None
+
+
+def test_a_slow_machine_is_exported_while_it_is_flagged_and_in_its_job(daemon: Daemon) -> None:
+    view = daemon.view
+    view.apply_job_status(status("a", ["n0", "n1", "n2"], {"s0": "ready"}), TS)
+
+    def found(slowdown: float) -> None:
+        daemon.emit(events.StragglerFound(ts=TS, job="a", node="n1", slowdown=slowdown,
+                                          confidence=0.9, since_step=10), "straggler")  # fmt: skip
+
+    def finished(outcome: str) -> None:
+        daemon.emit(events.MigrationFinished(ts=TS, migration_id=f"m-{outcome}", job="a",
+                                             node="n1", to="s0", outcome=outcome),  # type: ignore[arg-type]
+                    "actuator")  # fmt: skip
+
+    def slowdown() -> float | None:
+        return value(daemon, "tmd_straggler_slowdown", tmd_job="a", node="n1")
+
+    assert slowdown() is None
+    found(0.25)
+    assert slowdown() == 0.25
+    daemon.emit(events.StragglerCleared(ts=TS, job="a", node="n1"), "straggler")
+    assert slowdown() is None
+    found(0.3)
+    finished("aborted")  # still in the job, as slow as it was
+    assert slowdown() == 0.3
+    finished("done")  # moved away
+    assert slowdown() is None
+    found(0.4)
+    view.apply_job_status(status("a", ["n0", "s0", "n2"], {}), TS)  # a failover replaced it
+    assert slowdown() is None
+    found(0.5)
+    assert view.forget_job("a")
+    assert slowdown() is None
+
+
+def test_counters_operators_alert_on_are_exported_from_zero(daemon: Daemon) -> None:
+    """``increase`` over a series that appears with its first event sees no increase:
+    the alerts on failed migrations and plug-in restarts would miss the first one."""
+    for outcome in ("done", "aborted", "failed"):
+        assert value(daemon, "tmd_restarts_total", outcome=outcome) == 0
+        assert value(daemon, "tmd_migrations_total", outcome=outcome, policy="drain") is None
+    for kind in events.ALL:
+        assert value(daemon, "tmd_events_total", kind=kind.__name__) == 0
+    daemon.metrics.migration_started("drain")
+    daemon.metrics.plugin_started("straggler")
+    assert value(daemon, "tmd_migrations_total", outcome="failed", policy="drain") == 0
+    assert value(daemon, "tmd_plugin_restarts_total", plugin="straggler") == 0
+
+
+def test_no_metric_has_a_label_prometheus_sets_itself(daemon: Daemon) -> None:
+    """A training job is ``tmd_job``: a label ``job`` would be renamed ``exported_job``
+    by the scrape (``job`` is the scrape job), one ``instance`` likewise."""
+    daemon.view.apply_job_status(status("a", ["n0", "n1"], {"s0": "ready"}), TS)
+    daemon.view.apply_node_status(node("n0"), TS)
+    daemon.emit(events.StragglerFound(ts=TS, job="a", node="n1", slowdown=0.2,
+                                      confidence=0.9, since_step=1), "straggler")  # fmt: skip
+    daemon.metrics.migration_started("rebalance")
+    labels = {
+        name
+        for family in daemon.metrics.registry.collect()
+        for sample in family.samples
+        for name in sample.labels
+    }
+    assert {"tmd_job", "node", "kind", "outcome", "policy", "reason", "state"} <= labels
+    assert not labels & {"job", "instance"}
