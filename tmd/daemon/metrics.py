@@ -26,9 +26,11 @@ from prometheus_client.registry import Collector
 import tmd
 from tmd import wire
 from tmd.daemon import events
-from tmd.daemon.view import ClusterView
 
-if TYPE_CHECKING:  # policies import the plug-in API, which imports this module
+if TYPE_CHECKING:
+    from tmd.daemon.view import ClusterView
+
+    # policies import the plug-in API, which imports this module
     from tmd.policies.base import Stragglers
 
 REJECT_REASONS = (
