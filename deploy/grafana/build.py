@@ -118,7 +118,9 @@ def stat(
     thresholds: Steps = OK_ONLY,
     width: int = 4,
     mappings: list[Json] | None = None,
+    text: str = "auto",
 ) -> Json:
+    """A stat: the last value of each series (``text="name"``: its legend instead)."""
     return _panel(
         "stat",
         title,
@@ -133,7 +135,7 @@ def stat(
             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
             "colorMode": "background",
             "graphMode": "none",
-            "textMode": "auto",
+            "textMode": text,
             "justifyMode": "auto",
             "orientation": "auto",
         },
@@ -231,6 +233,7 @@ def rows() -> list[tuple[str, list[Json]]]:
                 _target(f"tmd_build_info{{{SEL}}}", "{{instance}} {{version}}"),
                 unit="none",
                 thresholds=[("blue", None)],
+                text="name",
             ),
             series(
                 "GPU and machine findings",
@@ -598,7 +601,7 @@ def _bargauge(title: str, description: str, target: Json) -> Json:
 
 
 def _heatmap(title: str, description: str, target: Json) -> Json:
-    panel = _panel(
+    return _panel(
         "heatmap",
         title,
         description,
@@ -615,8 +618,6 @@ def _heatmap(title: str, description: str, target: Json) -> Json:
             "legend": {"show": True},
         },
     )
-    panel["targets"][0]["interval"] = ""
-    return panel
 
 
 def _variables() -> list[Json]:
