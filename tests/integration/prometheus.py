@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class Prometheus:
             self.proc.terminate()
             self.proc.wait(10)
 
-    def _get(self, path: str, *, raw: bool = False, **params: str) -> Any:
+    def _get(self, path: str, params: dict[str, str] | None = None, *, raw: bool = False) -> Any:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
         try:
             with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=10) as r:
@@ -71,7 +72,7 @@ class Prometheus:
         """The instant vector (or scalar, as one sample) ``expr`` gives now; raises
         AssertionError naming ``expr`` where Prometheus refuses it."""
         try:
-            answer = self._get("/api/v1/query", query=expr)
+            answer = self._get("/api/v1/query", {"query": expr})
         except urllib.error.HTTPError as exc:  # 400: bad_data, with Prometheus's reason
             raise AssertionError(f"{expr}: {exc.read().decode(errors='replace')}") from None
         assert answer["status"] == "success", (expr, answer)
@@ -83,7 +84,7 @@ class Prometheus:
 
     def label_values(self, label: str, match: str) -> list[str]:
         """What Grafana's ``label_values(match, label)`` lists."""
-        answer = self._get(f"/api/v1/label/{label}/values", **{"match[]": match})
+        answer = self._get(f"/api/v1/label/{label}/values", {"match[]": match})
         return list(answer["data"])
 
     def wait_for_scrapes(self, n: int = 2, timeout_s: float = 30) -> None:
