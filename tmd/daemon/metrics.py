@@ -46,7 +46,8 @@ REJECT_REASONS = (
     "internal",
 )
 MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "node_iter", "job_status", "ack", "unknown")
-OUTCOMES = ("done", "aborted", "failed")  # of a migration or a checkpoint restart
+# Of a migration or a checkpoint restart; and what the view's machines and standbys can be.
+OUTCOMES: tuple[str, ...] = get_args(get_type_hints(events.MigrationFinished)["outcome"])
 NODE_ROLES: tuple[str, ...] = get_args(get_type_hints(wire.NodeStatus)["role"])
 # "unknown": the view knows the machine from a sample or an XID, not yet its status
 NODE_STATES: tuple[str, ...] = (*get_args(get_type_hints(wire.NodeStatus)["state"]), "unknown")
