@@ -73,7 +73,7 @@ _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _NOT_METRICS = {
     "sum", "min", "max", "count", "rate", "increase", "histogram_quantile", "max_over_time",
     "count_over_time", "absent", "vector", "and", "or", "unless", "by", "on", "ignoring",
-    "without", "e",
+    "without",
 }  # fmt: skip
 
 
@@ -81,13 +81,11 @@ def names_and_labels(expr: str) -> tuple[dict[str, set[str]], set[str]]:
     """The metric names ``expr`` reads, each with the labels its selectors match on, and
     the labels it groups or matches by (``by``, ``on``...)."""
     metrics: dict[str, set[str]] = {}
-    matchers = expr
-    for name, inside in _SELECTOR.findall(expr):
-        metrics.setdefault(name, set()).update(
-            re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", _STRING.sub('""', inside))
-        )
-    grouped = {label.strip() for g in _GROUPING.findall(expr) for label in g.split(",")}
-    rest = _GROUPING.sub(" ", _SELECTOR.sub(r"\1", _STRING.sub('""', matchers)))
+    bare = _STRING.sub('""', expr)  # what a label value says is no name
+    for name, inside in _SELECTOR.findall(bare):
+        metrics.setdefault(name, set()).update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", inside))
+    grouped = {label.strip() for g in _GROUPING.findall(bare) for label in g.split(",")}
+    rest = _GROUPING.sub(" ", _SELECTOR.sub(r"\1", bare))
     rest = re.sub(r"\[[^\]]*\]|\$\w+|\b\d+(?:\.\d+)?\b", " ", rest)
     for name in _NAME.findall(rest):
         if name not in _NOT_METRICS:
@@ -97,7 +95,7 @@ def names_and_labels(expr: str) -> tuple[dict[str, set[str]], set[str]]:
 
 def test_the_promql_reader_finds_names_and_labels() -> None:
     metrics, grouped = names_and_labels(
-        'sum by (outcome, policy) (rate(tmd_x_total{job=~"$job", a="b{c}"}[$__rate_interval]))'
+        'sum by (outcome, policy) (rate(tmd_x_total{job=~"$job", a="b{c} by (d)"}[1m]))'
         " / on (job) tmd:y:rate5m > 0.5 unless up == 0"
     )
     assert metrics == {"tmd_x_total": {"job", "a"}, "tmd:y:rate5m": set(), "up": set()}
