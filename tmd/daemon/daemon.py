@@ -188,22 +188,26 @@ class Daemon:
                 sdnotify.watchdog_ping()
 
     async def _housekeeping(self) -> None:
-        """Every ``HOUSEKEEPING_INTERVAL_S``: what outside publishers name is forgotten
-        once silent (the view), once its job is forgotten (the actuator), or once past
-        the journal's retention, so no table grows with every name ever seen."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
-            now = self.clock.now()
-            jobs, nodes = self.view.forget_silent(now, self.config.ingest.forget_after_s)
-            if jobs or nodes:
-                self.log.info("forgot silent jobs and nodes", jobs=jobs, nodes=nodes)
-            self.actuator.prune(now)
-            try:
-                before = now - self.config.journal.retention_days * 86400
-                self.journal.prune(before, keep_jobs=self.view.jobs.keys())
-            except JournalError as exc:
-                self.metrics.journal_errors.inc()
-                self.log.error("journal prune failed", error=str(exc))
+            self.housekeep(self.clock.now())
+
+    def housekeep(self, now: float) -> None:
+        """Every ``HOUSEKEEPING_INTERVAL_S``: what outside publishers name is forgotten
+        once silent (the view), once its job is forgotten or its machine left the job
+        (the actuator, the machines flagged slow), or once past the journal's
+        retention, so no table grows with every name ever seen."""
+        jobs, nodes = self.view.forget_silent(now, self.config.ingest.forget_after_s)
+        if jobs or nodes:
+            self.log.info("forgot silent jobs and nodes", jobs=jobs, nodes=nodes)
+        self.stragglers.forget_gone(self.view.jobs)  # /metrics only reads them
+        self.actuator.prune(now)
+        try:
+            before = now - self.config.journal.retention_days * 86400
+            self.journal.prune(before, keep_jobs=self.view.jobs.keys())
+        except JournalError as exc:
+            self.metrics.journal_errors.inc()
+            self.log.error("journal prune failed", error=str(exc))
 
     def _on_bus_drop(self, subscriber: str) -> None:
         self.metrics.bus_dropped.labels(subscriber=subscriber).inc()

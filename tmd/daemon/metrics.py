@@ -125,7 +125,9 @@ class _IngestCollector(Collector):
 class ViewCollector(Collector):
     """What the cluster view holds, counted when scraped (nothing on the ingest path):
     its size, its machines, each job's standby machines, and the machines flagged
-    slow now (``stragglers``, fed every finding the daemon emits)."""
+    slow now (``stragglers``, fed every finding the daemon emits). A scrape reads and
+    changes nothing: what the view and the stragglers forget, the daemon's
+    housekeeping prunes."""
 
     def __init__(self, view: ClusterView, stragglers: Stragglers) -> None:
         self._view = view
@@ -147,10 +149,9 @@ class ViewCollector(Collector):
             " how much slower than their peers (0.2 = 20%) when found",
             labels=["tmd_job", "node"],
         )
-        self._stragglers.forget_gone(view.jobs)
-        for (job, node), straggler in sorted(self._stragglers.by_key.items()):
-            if job in view.jobs:  # a job forgotten meanwhile (silent, or deleted) is gone
-                slowdown.add_metric([job, node], straggler.slowdown)
+        # Only those still in their job, in a job the view still holds.
+        for (job, node), straggler in sorted(self._stragglers.present(view.jobs)):
+            slowdown.add_metric([job, node], straggler.slowdown)
         yield slowdown
 
     def _machines(self) -> Iterator[Metric]:
@@ -159,8 +160,8 @@ class ViewCollector(Collector):
         out: Tallies[str] = Tallies()
         for node in view.nodes.values():
             by_state[(node.role, node.state)] += 1
-            out["gpu_fault"] += view.gpu_faulty(node.node)
-            out["lost"] += view.lost(node.node)
+            out["gpu_fault"] += view.gpu_faulty(node.node, forget=False)
+            out["lost"] += view.lost(node.node, forget=False)
         machines = GaugeMetricFamily(
             "tmd_machines",
             "Machines in the cluster view, by role and by their agent's last status",
@@ -198,7 +199,7 @@ class ViewCollector(Collector):
             states: Tallies[str] = Tallies(s.state for s in job.standbys.values())
             for state in STANDBY_STATES:
                 listed.add_metric([name, state], states[state])
-            ready.add_metric([name], len(view.ready_standbys(name)))
+            ready.add_metric([name], len(view.ready_standbys(name, forget=False)))
         yield listed
         yield ready
 

@@ -103,9 +103,34 @@ def test_a_slow_machine_is_exported_while_it_is_flagged_and_in_its_job(daemon: D
     found(0.4)
     view.apply_job_status(status("a", ["n0", "s0", "n2"], {}), TS)  # a failover replaced it
     assert slowdown() is None
+    assert ("a", "n1") in daemon.stragglers.by_key  # a scrape forgets nothing...
+    daemon.housekeep(TS)
+    assert daemon.stragglers.by_key == {}  # ... the housekeeping does
+    view.apply_job_status(status("a", ["n0", "n1", "n2"], {}), TS)
     found(0.5)
+    assert slowdown() == 0.5
     assert view.forget_job("a")
     assert slowdown() is None
+    daemon.housekeep(TS)
+    assert daemon.stragglers.by_key == {}  # nor kept for a job the view forgot
+
+
+def test_a_scrape_changes_nothing_in_the_view(daemon: Daemon) -> None:
+    """A fault its agent got over is forgotten by the policies' and the actuator's
+    questions, not by Prometheus's: a scrape only reads."""
+    view = daemon.view
+    view.apply_job_status(status("a", ["n0"], {"s0": "ready", "s1": "ready"}), TS)
+    view.apply_node_status(node("s0", role="standby"), TS)
+    daemon.emit(events.GpuFault(ts=TS, node="s0", gpu=0, cause="xid 79"), "gpu_health")
+    daemon.emit(events.NodeLost(ts=TS, node="s1", cause="heartbeat"), "node_liveness")
+    view.apply_node_status(node("s0", role="standby"), TS + 1)  # its agent restarted
+    view.apply_node_status(node("s1", role="standby"), TS + 1)  # and this one spoke again
+    noted = (dict(view._faults), dict(view._lost))
+    assert len(noted[0]) == len(noted[1]) == 1
+    assert value(daemon, "tmd_machines_out_of_service", cause="gpu_fault") == 0
+    assert value(daemon, "tmd_machines_out_of_service", cause="lost") == 0
+    assert value(daemon, "tmd_job_standbys_ready", tmd_job="a") == 2
+    assert (view._faults, view._lost) == noted
 
 
 def test_counters_operators_alert_on_are_exported_from_zero(daemon: Daemon) -> None:
