@@ -255,7 +255,8 @@ def rows() -> list[tuple[str, list[Json]]]:
                 "Ready standby machines per job",
                 "Standby machines that may take a"
                 " machine of the job now: ready, not a member, their machine neither"
-                " offline nor faulty. 0: a failure costs a checkpoint restart, and"
+                " offline nor faulty, with its slots and GPU model; for the job's"
+                " worst-off machine. 0: a failure costs a checkpoint restart, and"
                 " planned moves are held (alert TmdJobWithoutReadyStandby).",
                 _target(
                     f"sum by (tmd_job) (tmd_job_standbys_ready{{{JOB_SEL}}})",

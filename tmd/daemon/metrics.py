@@ -28,7 +28,7 @@ from tmd import wire
 from tmd.daemon import events
 
 if TYPE_CHECKING:
-    from tmd.daemon.view import ClusterView
+    from tmd.daemon.view import ClusterView, JobView
 
     # policies import the plug-in API, which imports this module
     from tmd.policies.base import Stragglers
@@ -191,7 +191,9 @@ class ViewCollector(Collector):
         ready = GaugeMetricFamily(
             "tmd_job_standbys_ready",
             "Standby machines that may take a machine of the job now (ready, not a member,"
-            " their machine neither offline nor faulty): 0 means a failure costs a"
+            " their machine neither offline nor faulty, with the machine's slots and GPU"
+            " model), for the job's worst-off machine: the fewest over each kind (slots,"
+            " GPU model) of its machines. 0 means a failure of some machine costs a"
             " checkpoint restart",
             labels=["tmd_job"],
         )
@@ -199,9 +201,25 @@ class ViewCollector(Collector):
             states: Tallies[str] = Tallies(s.state for s in job.standbys.values())
             for state in STANDBY_STATES:
                 listed.add_metric([name, state], states[state])
-            ready.add_metric([name], len(view.ready_standbys(name, forget=False)))
+            ready.add_metric([name], fewest_ready(view, name, job))
         yield listed
         yield ready
+
+
+def fewest_ready(view: ClusterView, name: str, job: JobView) -> int:
+    """The ready standbys (``ClusterView.ready_standbys``, changing nothing) of the
+    machine of job ``name`` that has fewest: a standby takes a machine of as many
+    slots, and of its GPU model, so one representative of each kind of machine is
+    asked about. A job without members: its ready standbys, whatever they fit."""
+    leavers: dict[tuple[int, str], str] = {}
+    for machine, ranks in job.machines().items():
+        model = view.gpu_model(machine) if view.same_gpu_model else ""
+        leavers.setdefault((len(ranks), model), machine)
+    if not leavers:
+        return len(view.ready_standbys(name, forget=False))
+    return min(
+        len(view.ready_standbys(name, leaver=leaver, forget=False)) for leaver in leavers.values()
+    )
 
 
 class Metrics:

@@ -163,3 +163,33 @@ def test_no_metric_has_a_label_prometheus_sets_itself(daemon: Daemon) -> None:
     }
     assert {"tmd_job", "node", "kind", "outcome", "policy", "reason", "state"} <= labels
     assert not labels & {"job", "instance"}
+
+
+def test_ready_standbys_are_those_of_the_job_s_worst_off_machine(daemon: Daemon) -> None:
+    """A standby takes a machine of as many slots and of its GPU model: a job whose
+    one ready standby fits only some of its machines is not covered."""
+    view = daemon.view
+
+    def gpu(name: str, model: str) -> None:
+        gpus = [wire.GpuInfo(index=0, name=model)]
+        view.apply_node_status(wire.NodeStatus(ts=TS, node=name, state="online", gpus=gpus), TS)
+
+    def ready() -> float | None:
+        return value(daemon, "tmd_job_standbys_ready", tmd_job="a")
+
+    for name, model in (("n0", "H100"), ("n1", "A100"), ("s0", "H100"), ("s1", "A100")):
+        gpu(name, model)
+    view.apply_job_status(status("a", ["n0", "n1"], {"s0": "ready"}), TS)
+    assert ready() == 0  # s0 could take n0, not n1
+    view.apply_job_status(status("a", ["n0", "n1"], {"s0": "ready", "s1": "ready"}), TS)
+    assert ready() == 1
+    # Machines of two ranks each: a standby of one slot takes none of them.
+    two = wire.JobStatus(
+        ts=TS, job="a", generation=1, world_size=4,
+        members=[wire.Member(r, n, r % 2) for r, n in enumerate(["n0", "n0", "n1", "n1"])],
+        standbys=[wire.StandbyInfo(node="s0", state="ready", slots=2),
+                  wire.StandbyInfo(node="s1", state="ready", slots=1)],
+    )  # fmt: skip
+    view.apply_job_status(two, TS)
+    assert ready() == 0  # s1 (A100) has one slot: n1 has no standby
+    assert view.ready_standbys("a") == ["s0", "s1"]  # what ignoring slots would count
