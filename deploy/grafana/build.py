@@ -257,10 +257,13 @@ def rows() -> list[tuple[str, list[Json]]]:
                 " machine of the job now: ready, not a member, their machine neither"
                 " offline nor faulty, with its slots and GPU model; for the job's"
                 " worst-off machine. 0: a failure costs a checkpoint restart, and"
-                " planned moves are held (alert TmdJobWithoutReadyStandby).",
+                " planned moves are held (alert TmdJobWithoutReadyStandby, for jobs"
+                " that have not stopped). Each job with its state.",
                 _target(
-                    f"sum by (tmd_job) (tmd_job_standbys_ready{{{JOB_SEL}}})",
-                    "{{tmd_job}}",
+                    f"max by (tmd_job, state) (tmd_job_standbys_ready{{{JOB_SEL}}}"
+                    " * on (job, instance, tmd_job) group_left (state)"
+                    f" (tmd_job_state{{{JOB_SEL}}} == 1))",
+                    "{{tmd_job}} ({{state}})",
                     instant=True,
                 ),
             ),
@@ -675,7 +678,7 @@ def _variables() -> list[Json]:
         query(
             "tmd_job",
             "Training job",
-            f"label_values(tmd_job_standbys_ready{{{SEL}}}, tmd_job)",
+            f"label_values(tmd_job_state{{{SEL}}}, tmd_job)",
             "Training jobs, by tmd's label tmd_job.",
             multi=True,
         ),

@@ -40,6 +40,7 @@ class Prometheus:
         config = tmp / "prometheus.yml"
         config.write_text(_config(target))
         self.log = tmp / "prometheus.log"
+        self.started = time.monotonic()
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
@@ -86,6 +87,10 @@ class Prometheus:
         """What Grafana's ``label_values(match, label)`` lists."""
         answer = self._get(f"/api/v1/label/{label}/values", {"match[]": match})
         return list(answer["data"])
+
+    def window(self) -> str:
+        """A PromQL range that reaches back past this server's start: all it scraped."""
+        return f"{int(time.monotonic() - self.started) + 60}s"
 
     def wait_for_scrapes(self, n: int = 2, timeout_s: float = 30) -> None:
         expr = f'count_over_time(up{{job="{SCRAPE_JOB}"}}[5m]) >= {n}'
@@ -187,7 +192,8 @@ def check_operators_view(
     prom: Prometheus, *, target: str, tmd_job: str, empty: dict[str, str]
 ) -> None:
     """What an operator sees of the daemon at ``target``, which ran the training job
-    ``tmd_job``: every rule evaluates, no alert fires, every dashboard variable lists
+    ``tmd_job``: every rule evaluates, no alert fires (none is even pending about the
+    job, which stopped), every dashboard variable lists
     this daemon and job, every panel's query parses and has data, but for the panels
     in ``empty`` (title -> why), which must have none."""
     prom.wait_for_scrapes(2)
@@ -197,11 +203,19 @@ def check_operators_view(
     assert rules and all(r["health"] == "ok" for r in rules), [
         (r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"
     ]
-    alerts = prom.alerts()
-    assert not [a["labels"] for a in alerts if a["state"] == "firing"]
-    # The standby machine joined the job: nothing is left to take a machine's place.
-    pending = {(a["labels"]["alertname"], a["labels"].get("tmd_job")) for a in alerts}
-    assert ("TmdJobWithoutReadyStandby", tmd_job) in pending, pending
+    assert not [a["labels"] for a in prom.alerts() if a["state"] == "firing"]
+    # While the job ran without a ready standby (its one standby warming, then in the
+    # job), TmdJobWithoutReadyStandby was pending; once the job stopped, no alert is.
+    was_pending = (
+        f'ALERTS{{alertname="TmdJobWithoutReadyStandby", alertstate="pending",'
+        f' tmd_job="{tmd_job}"}}'
+    )
+    assert prom.query(f"max_over_time({was_pending}[{prom.window()}])"), was_pending
+    _poll(
+        lambda: not [a for a in prom.alerts() if a["labels"].get("tmd_job") == tmd_job],
+        f"no alert about {tmd_job}, which stopped",
+        15,
+    )
 
     # Labels: the scrape job and instance are Prometheus's, the training job is tmd_job
     # (nothing renamed exported_*: no metric of tmd's carries job or instance).

@@ -52,6 +52,8 @@ NODE_ROLES: tuple[str, ...] = get_args(get_type_hints(wire.NodeStatus)["role"])
 # "unknown": the view knows the machine from a sample or an XID, not yet its status
 NODE_STATES: tuple[str, ...] = (*get_args(get_type_hints(wire.NodeStatus)["state"]), "unknown")
 STANDBY_STATES: tuple[str, ...] = get_args(get_type_hints(wire.StandbyInfo)["state"])
+# "unknown": the view knows the job from its ranks' steps, not yet from its status
+JOB_STATES: tuple[str, ...] = (*get_args(get_type_hints(wire.JobStatus)["state"]), "unknown")
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -124,9 +126,9 @@ class _IngestCollector(Collector):
 
 class ViewCollector(Collector):
     """What the cluster view holds, counted when scraped (nothing on the ingest path):
-    its size, its machines, each job's standby machines, and the machines flagged
-    slow now (``stragglers``, fed every finding the daemon emits). A scrape reads and
-    changes nothing: what the view and the stragglers forget, the daemon's
+    its size, its machines, each job's state and standby machines, and the machines
+    flagged slow now (``stragglers``, fed every finding the daemon emits). A scrape
+    reads and changes nothing: what the view and the stragglers forget, the daemon's
     housekeeping prunes."""
 
     def __init__(self, view: ClusterView, stragglers: Stragglers) -> None:
@@ -142,7 +144,7 @@ class ViewCollector(Collector):
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield from self._machines()
-        yield from self._standbys()
+        yield from self._jobs()
         slowdown = GaugeMetricFamily(
             "tmd_straggler_slowdown",
             "Machines the straggler detector flagged and that are still in their job:"
@@ -181,8 +183,15 @@ class ViewCollector(Collector):
             unusable.add_metric([cause], out[cause])
         yield unusable
 
-    def _standbys(self) -> Iterator[Metric]:
+    def _jobs(self) -> Iterator[Metric]:
         view = self._view
+        in_state = GaugeMetricFamily(
+            "tmd_job_state",
+            "Each job's state by its last status, 1 for the one it is in: running,"
+            " migrating, restarting, stopped (it ended; the view keeps it until"
+            " ingest.forget_after_s), unknown (no status yet)",
+            labels=["tmd_job", "state"],
+        )
         listed = GaugeMetricFamily(
             "tmd_job_standbys",
             "Standby machines each job's status lists, by their state",
@@ -198,10 +207,13 @@ class ViewCollector(Collector):
             labels=["tmd_job"],
         )
         for name, job in sorted(view.jobs.items()):
+            for state in JOB_STATES:
+                in_state.add_metric([name, state], float(job.state == state))
             states: Tallies[str] = Tallies(s.state for s in job.standbys.values())
             for state in STANDBY_STATES:
                 listed.add_metric([name, state], states[state])
             ready.add_metric([name], fewest_ready(view, name, job))
+        yield in_state
         yield listed
         yield ready
 

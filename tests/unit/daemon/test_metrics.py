@@ -193,3 +193,25 @@ def test_ready_standbys_are_those_of_the_job_s_worst_off_machine(daemon: Daemon)
     view.apply_job_status(two, TS)
     assert ready() == 0  # s1 (A100) has one slot: n1 has no standby
     assert view.ready_standbys("a") == ["s0", "s1"]  # what ignoring slots would count
+
+
+def test_each_job_s_state_is_exported_one_series_a_state(daemon: Daemon) -> None:
+    """What the alert on ready standbys reads to leave out a job that ended: the view
+    keeps it (with no standby left to it) until ``ingest.forget_after_s``."""
+
+    def states() -> dict[str, float | None]:
+        names = ("running", "migrating", "restarting", "stopped", "unknown")
+        return {s: value(daemon, "tmd_job_state", tmd_job="a", state=s) for s in names}
+
+    view = daemon.view
+    view.apply_job_status(status("a", ["n0"], {"s0": "ready"}), TS)
+    assert states() == {"running": 1, "migrating": 0, "restarting": 0, "stopped": 0,
+                        "unknown": 0}  # fmt: skip
+    ended = wire.JobStatus(ts=TS + 1, job="a", generation=1, world_size=1,
+                           members=[wire.Member(0, "s0")], state="stopped")  # fmt: skip
+    view.apply_job_status(ended, TS + 1)
+    assert states()["stopped"] == 1 and sum(v or 0 for v in states().values()) == 1
+    assert value(daemon, "tmd_job_standbys_ready", tmd_job="a") == 0
+    step = wire.StepTiming(1, TS, 1.0, 0.5, 0.4, 0.05, 0.05)
+    view.apply_iter(wire.IterBatch(ts=TS, job="b", rank=0, node="n9", steps=[step]), TS)
+    assert value(daemon, "tmd_job_state", tmd_job="b", state="unknown") == 1
