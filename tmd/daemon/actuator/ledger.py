@@ -93,15 +93,18 @@ class Ledger:
 
     def begin(self, flight: Flight, *, reason: str, now: float) -> bool:
         """Journal a new migration as ``planned`` (a restart as ``restarting``: nothing
-        comes before its command); False if it was journaled already."""
+        comes before its command); False if it was journaled already. Its detail names
+        the policy that decided it, what a resumed migration is counted under."""
+        policy = {"policy": flight.policy}
         if flight.is_restart:
+            detail = {**self.machine.journaled(flight, "restarting"), **policy}
             return self.journal.begin_migration(
                 id=flight.id, job=flight.job, leaver=flight.leaver, joiner="", reason=reason,
-                ts=now, state="restarting", detail=self.machine.journaled(flight, "restarting"),
+                ts=now, state="restarting", detail=detail,
             )  # fmt: skip
         return self.journal.begin_migration(
             id=flight.id, job=flight.job, leaver=flight.leaver, joiner=flight.joiner,
-            reason=reason, ts=now,
+            reason=reason, ts=now, detail=policy,
         )  # fmt: skip
 
     def start(self, flight: Flight, started: float) -> None:
