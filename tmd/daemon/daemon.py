@@ -18,6 +18,7 @@ from tmd.clock import Clock, SystemClock
 from tmd.config import Config
 from tmd.daemon import events, plugins, routes
 from tmd.daemon.actuator import Actuator
+from tmd.daemon.actuator.membership import RUNTIME
 from tmd.daemon.api import Api
 from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
@@ -73,6 +74,12 @@ class Daemon:
         self.metrics.watch(self.view, self.stragglers)
         self.bus = Bus(on_drop=self._on_bus_drop)
         self.specs = plugin_specs(config)
+        # Every policy that can start a migration, counted from 0 now: a runtime's
+        # failover, or a migration resumed after a restart, may start and end between
+        # two scrapes, and an increase from a series's first sample is none. (Operators'
+        # requests are the drain policy's, alerts the alert policy's.)
+        for name in (*(s.name for s in self.specs if s.kind == "policies"), RUNTIME):
+            self.metrics.migration_started(name)
         self.journal = Journal(config.journal.resolved_path())
         self.ingest = Ingest(
             mqtt=config.mqtt,

@@ -278,8 +278,10 @@ class Metrics:
         self.journal_errors = Counter(
             "tmd_journal_errors_total", "Journal writes that failed", registry=r
         )
-        # Its children start at 0 when a migration of their policy starts
-        # (``migration_started``): the policies are plug-ins, not known here.
+        # Its children start at 0 for each policy the daemon runs, and the runtime's,
+        # when it starts (``migration_started``): the policies are plug-ins, not known
+        # here. A migration of another (resumed, of a policy since disabled) starts
+        # them when it starts.
         self.migrations = Counter(
             "tmd_migrations_total",
             "Migrations finished, by outcome and by the policy that decided them"
@@ -340,6 +342,7 @@ class Metrics:
         self.plugin_restarts.labels(plugin=plugin)
 
     def migration_started(self, policy: str) -> None:
-        """``policy``'s migration counters from 0, so its first failure is an increase."""
+        """``policy``'s migration counters from 0 (if not yet), so its first failure is
+        an increase."""
         for outcome in OUTCOMES:
             self.migrations.labels(outcome=outcome, policy=policy)
