@@ -508,8 +508,11 @@ def rows() -> list[tuple[str, list[Json]]]:
             "The daemon",
             series(
                 "Event-loop lag",
-                "How late the daemon's event loop runs. /healthz fails at"
-                " 5 s; past half of WatchdogSec systemd restarts the daemon.",
+                "How late the daemon's event loop runs, as last measured"
+                " when scraped. /healthz fails at 5 s; past half of WatchdogSec systemd"
+                " restarts the daemon. A stall between two scrapes is not drawn here:"
+                " the daemon counts each (tmd_event_loop_stalls_total, alert"
+                " TmdEventLoopStalled).",
                 _target(f"tmd_event_loop_lag_seconds{{{SEL}}}", "{{instance}}"),
                 unit="s",
                 thresholds=LOOP_LAG,

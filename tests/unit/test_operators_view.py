@@ -72,6 +72,7 @@ _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _NOT_METRICS = {
     "sum", "min", "max", "count", "rate", "increase", "histogram_quantile", "max_over_time",
+    "quantile_over_time",
     "count_over_time", "absent", "vector", "and", "or", "unless", "by", "on", "ignoring",
     "without", "group_left", "group_right",
 }  # fmt: skip

@@ -23,7 +23,7 @@ from tmd.daemon.api import Api
 from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
 from tmd.daemon.journal import Journal
-from tmd.daemon.metrics import Metrics
+from tmd.daemon.metrics import LOOP_STALL_S, Metrics
 from tmd.daemon.view import ClusterView
 from tmd.errors import JournalError
 from tmd.policies.base import Stragglers
@@ -138,7 +138,7 @@ class Daemon:
 
     def health(self) -> dict[str, Any]:
         up = {r.spec.name: r.up for r in self.runners}
-        lag_ok = self.loop_lag_s < 5.0
+        lag_ok = self.loop_lag_s < LOOP_STALL_S
         return {
             "ok": self.ingest.connected and lag_ok,
             "mqtt": "connected" if self.ingest.connected else "disconnected",
@@ -190,7 +190,7 @@ class Daemon:
             start = loop.time()
             await asyncio.sleep(probe)
             self.loop_lag_s = max(0.0, loop.time() - start - probe)
-            self.metrics.loop_lag.set(self.loop_lag_s)
+            self.metrics.loop_lagged(self.loop_lag_s)
             if interval is not None and self.loop_lag_s < max_lag:
                 sdnotify.watchdog_ping()
 

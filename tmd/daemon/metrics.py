@@ -57,6 +57,8 @@ JOB_STATES: tuple[str, ...] = (*get_args(get_type_hints(wire.JobStatus)["state"]
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LOOP_STALL_S = 5.0
+"""An event-loop lag this long is a stall: /healthz fails, and it is counted."""
 
 
 class Tally:
@@ -332,6 +334,18 @@ class Metrics:
         self.loop_lag = Gauge(
             "tmd_event_loop_lag_seconds", "Last measured event-loop scheduling lag", registry=r
         )
+        self.loop_stalls = Counter(
+            "tmd_event_loop_stalls_total",
+            f"Event-loop lags of {LOOP_STALL_S:g} s or more, each counted when measured (a"
+            " stall between two scrapes too, which the last lag does not show)",
+            registry=r,
+        )
+
+    def loop_lagged(self, lag_s: float) -> None:
+        """The event loop ran ``lag_s`` late (measured about once a second)."""
+        self.loop_lag.set(lag_s)
+        if lag_s >= LOOP_STALL_S:
+            self.loop_stalls.inc()
 
     def watch(self, view: ClusterView, stragglers: Stragglers) -> None:
         """Export what ``view`` holds, and the machines flagged slow now, when scraped."""

@@ -222,3 +222,13 @@ def test_each_job_s_state_is_exported_one_series_a_state(daemon: Daemon) -> None
     step = wire.StepTiming(1, TS, 1.0, 0.5, 0.4, 0.05, 0.05)
     view.apply_iter(wire.IterBatch(ts=TS, job="b", rank=0, node="n9", steps=[step]), TS)
     assert value(daemon, "tmd_job_state", tmd_job="b", state="unknown") == 1
+
+
+def test_every_stall_of_the_event_loop_is_counted_not_only_the_last_lag(daemon: Daemon) -> None:
+    """The lag gauge holds the last measurement (about one a second): a stall between
+    two scrapes is gone from it by the next one, not from the counter."""
+    assert value(daemon, "tmd_event_loop_stalls_total") == 0
+    for lag in (0.01, 7.0, 0.02, 4.9, 5.0, 0.01):
+        daemon.metrics.loop_lagged(lag)
+    assert value(daemon, "tmd_event_loop_lag_seconds") == 0.01
+    assert value(daemon, "tmd_event_loop_stalls_total") == 2
