@@ -61,6 +61,8 @@ def _target(
     instant: bool = False,
     fmt: str = "time_series",
 ) -> Json:
+    """A query; ``instant``: one value now (a query over ``$__range``, the whole time
+    range, must be: as a range query each point would cover the range before it)."""
     return {
         "datasource": DS,
         "expr": expr,
@@ -375,11 +377,13 @@ def rows() -> list[tuple[str, list[Json]]]:
                     f" / sum(increase(tmd_migration_downtime_seconds_count{{{SEL}}}"
                     "[$__range]))",
                     "mean",
+                    instant=True,
                 ),
                 _target(
                     "histogram_quantile(0.95, sum by (le) (increase("
                     f"tmd_migration_downtime_seconds_bucket{{{SEL}}}[$__range])))",
                     "p95",
+                    instant=True,
                 ),
                 unit="s",
                 thresholds=DOWNTIME,
@@ -500,6 +504,7 @@ def rows() -> list[tuple[str, list[Json]]]:
                     f"sum by (instance) (increase(tmd_mqtt_connection_failures_total{{{SEL}}}"
                     "[$__range]))",
                     "{{instance}}",
+                    instant=True,
                 ),
                 thresholds=ANY_IS_BAD,
             ),

@@ -193,6 +193,16 @@ def test_every_panel_reads_the_chosen_data_source_with_a_unit_and_thresholds() -
     assert variables["tmd_job"]["definition"].endswith(", tmd_job)")
 
 
+def test_a_query_over_the_whole_range_is_an_instant_query() -> None:
+    """Over ``$__range`` as a range query, each point would sum the range before it:
+    a stat's last value would be right, its sparkline and the others wrong."""
+    targets = [t for p in dashboard()["panels"] for t in p.get("targets", [])]  # type: ignore[attr-defined]
+    over_range = [t for t in targets if "$__range" in t["expr"]]
+    assert len(over_range) >= 3
+    for t in over_range:
+        assert t["instant"] is True and t["range"] is False, t["expr"]
+
+
 def test_every_query_names_metrics_the_daemon_exports_with_their_labels(
     exported: dict[str, set[str]],
 ) -> None:
