@@ -49,14 +49,30 @@ class Prometheus:
             )  # fmt: skip
         try:
             _poll(lambda: self._get("/-/ready", raw=True), "Prometheus to be ready", 30)
-        except BaseException:
+        except BaseException as exc:
             self.stop()
+            exc.add_note(self.log_tail())
             raise
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it is still up 10 s later."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The end of its log, for a failure's report."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError as exc:
+            return f"prometheus's log {self.log}: {exc}"
+        return f"prometheus's log ({self.log}), last {lines} lines:\n" + "".join(
+            text.splitlines(True)[-lines:]
+        )
 
     def _get(self, path: str, params: dict[str, str] | None = None, *, raw: bool = False) -> Any:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -193,9 +209,19 @@ def check_operators_view(
 ) -> None:
     """What an operator sees of the daemon at ``target``, which ran the training job
     ``tmd_job``: every rule evaluates, no alert fires (none is even pending about the
-    job, which stopped), every dashboard variable lists
-    this daemon and job, every panel's query parses and has data, but for the panels
-    in ``empty`` (title -> why), which must have none."""
+    job, which stopped), every dashboard variable lists this daemon and job, every
+    panel's query parses and has data, but for the panels in ``empty`` (title -> why),
+    which must have none. A failure comes with the end of Prometheus's log."""
+    try:
+        _check_operators_view(prom, target=target, tmd_job=tmd_job, empty=empty)
+    except AssertionError as exc:
+        exc.add_note(prom.log_tail())
+        raise
+
+
+def _check_operators_view(
+    prom: Prometheus, *, target: str, tmd_job: str, empty: dict[str, str]
+) -> None:
     prom.wait_for_scrapes(2)
     # The rules: all evaluated without error (a rule over a label that does not exist
     # evaluates fine; promtool's tests check what they compute).
@@ -237,7 +263,12 @@ def check_operators_view(
     by_outcome = {s["metric"]["outcome"]: float(s["value"][1]) for s in done}
     assert by_outcome == {"done": 1.0, "aborted": 0.0, "failed": 0.0}, by_outcome
 
-    variables.update({"__rate_interval": "1m", "__range": "10m"})
+    # Grafana's $__rate_interval and $__range follow the dashboard's time range; here
+    # both reach back past Prometheus's start, so that every query covers the whole run.
+    # With a fixed 1m, a check that ran over a minute after the job's last message
+    # (a slow machine) would find every rate 0, and the latency quantiles NaN: no data.
+    window = prom.window()
+    variables.update({"__rate_interval": window, "__range": window})
     queries = panel_queries(variables)
     titles = {q.panel for q in queries}
     assert set(empty) <= titles, set(empty) - titles

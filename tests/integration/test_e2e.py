@@ -348,7 +348,7 @@ EMPTY_ON_A_HEALTHY_CLUSTER = {
     " for a subscriber, or the first error in an actuator step: there was none",
 }
 """Dashboard panels with nothing to show on a healthy cluster, and why; every other panel
-has data at the end of the straggler's test (its job finished within the last minute)."""
+has data over the straggler's test (its queries' ranges reach back to its start)."""
 
 
 def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Path) -> None:

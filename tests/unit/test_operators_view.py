@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,38 +104,107 @@ def test_the_promql_reader_finds_names_and_labels() -> None:
     assert grouped == {"outcome", "policy", "job"}
 
 
-def rules() -> list[tuple[str, str]]:
-    """Each rule's name (``record`` or ``alert``) and expr (one line or a block)."""
+Rule = dict[str, Any]
+
+
+def rules() -> list[Rule]:
+    """Each rule of the rules file: its ``record`` or ``alert``, ``expr``, ``labels``
+    and ``for``, read by PyYAML where it is installed (tmd does not need it), else by
+    ``rule_blocks``."""
+    text = RULES.read_text()
+    try:
+        import yaml
+    except ImportError:
+        return rule_blocks(text)
+    return [rule for group in yaml.safe_load(text)["groups"] for rule in group["rules"]]
+
+
+_RULE_START = re.compile(r"^(\s*)- (alert|record): (.+)$")
+
+
+def rule_blocks(text: str) -> list[Rule]:
+    """The rules, as ``rules`` gives them, from the indentation of a Prometheus rules
+    file (the subset of YAML it is written in). Each rule is read from its own lines
+    only (from its ``- alert:`` or ``- record:`` to the next line indented as little),
+    so nothing of one rule is taken for another's."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if _RULE_START.match(line)]
     out = []
-    lines = RULES.read_text().splitlines()
-    name = ""
-    for i, line in enumerate(lines):
-        key, _, value = line.strip().removeprefix("- ").partition(": ")
-        if key in ("record", "alert"):
-            name = value
-        if key != "expr":
+    for i in starts:
+        m = _RULE_START.match(lines[i])
+        assert m is not None
+        indent = len(m.group(1))
+        end = i + 1
+        while end < len(lines) and (
+            not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent
+        ):
+            end += 1
+        out.append(_rule(m.group(2), m.group(3), lines[i + 1 : end]))
+    return out
+
+
+def _rule(kind: str, name: str, body: list[str]) -> Rule:
+    lines = [(len(line) - len(line.lstrip()), line.strip()) for line in body]
+    return {kind: _scalar(name), **_mapping(lines)}
+
+
+def _mapping(lines: list[tuple[int, str]]) -> dict[str, Any]:
+    """A mapping from its lines, as (indent, text): each key at the first key's indent,
+    with a scalar, a block scalar (``|``, ``>-``: its deeper lines, joined) or a mapping
+    (its deeper lines) for value."""
+    keys = [indent for indent, text in lines if text and not text.startswith("#")]
+    if not keys:
+        return {}
+    top, out, j = keys[0], {}, 0
+    while j < len(lines):
+        indent, text = lines[j]
+        j += 1
+        if not text or text.startswith("#"):
             continue
-        if value.strip() != "|":
-            out.append((name, value))
-            continue
-        indent = len(lines[i + 1]) - len(lines[i + 1].lstrip())
-        block = []
-        for follow in lines[i + 1 :]:
-            if follow.strip() and len(follow) - len(follow.lstrip()) < indent:
-                break
-            block.append(follow.strip())
-        out.append((name, " ".join(block)))
+        assert indent == top, f"not a key of this mapping: {text!r}"
+        key, _, value = text.partition(":")
+        value = value.strip()
+        nested_from = j
+        while j < len(lines) and (not lines[j][1] or lines[j][0] > top):
+            j += 1
+        nested = lines[nested_from:j]
+        if value in ("|", "|-", ">", ">-"):
+            out[key] = " ".join(t for _, t in nested if t)
+        elif not value:
+            out[key] = _mapping(nested)
+        else:
+            out[key] = _scalar(value)
+    return out
+
+
+def _scalar(value: str) -> str:
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def _one_line(expr: str) -> str:
+    return " ".join(expr.split())
+
+
+def _folded(rule: Rule) -> Rule:
+    """``rule`` with its expr and annotations on one line each (a block scalar's line
+    breaks are YAML's to keep or fold)."""
+    out = {**rule, "expr": _one_line(rule["expr"])}
+    if "annotations" in rule:
+        out["annotations"] = {k: _one_line(v) for k, v in rule["annotations"].items()}
     return out
 
 
 def recording_rules() -> dict[str, set[str]]:
     """Each recorded series -> the labels it keeps (its first ``by``)."""
     out = {}
-    for name, expr in rules():
-        if ":" in name:
-            by = re.search(r"\bby \(([^)]*)\)", expr)
-            assert by is not None, name
-            out[name] = {label.strip() for label in by.group(1).split(",")}
+    for rule in rules():
+        if "record" in rule:
+            by = re.search(r"\bby \(([^)]*)\)", rule["expr"])
+            assert by is not None, rule["record"]
+            out[rule["record"]] = {label.strip() for label in by.group(1).split(",")}
     return out
 
 
@@ -193,6 +263,24 @@ def test_every_panel_reads_the_chosen_data_source_with_a_unit_and_thresholds() -
     assert variables["tmd_job"]["definition"].endswith(", tmd_job)")
 
 
+def test_every_panel_has_its_own_id_and_place_on_the_grid() -> None:
+    """Grafana keys panels by id (a repeated one loses a panel's edits, links and
+    state) and lays out gridPos as given: two panels on one cell hide each other."""
+    panels = dashboard()["panels"]
+    assert isinstance(panels, list)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids)
+    cells: dict[tuple[int, int], str] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["w"] > 0 and g["h"] > 0 and g["x"] >= 0 and g["y"] >= 0, p["title"]
+        assert g["x"] + g["w"] <= 24, f"{p['title']} is wider than the grid's 24 columns"
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+
+
 def test_a_query_over_the_whole_range_is_an_instant_query() -> None:
     """Over ``$__range`` as a range query, each point would sum the range before it:
     a stat's last value would be right, its sparkline and the others wrong."""
@@ -224,11 +312,39 @@ def test_every_rule_names_metrics_the_daemon_exports_with_their_labels(
     found = rules()
     assert len(found) == len(re.findall(r"^\s+- (?:alert|record): ", RULES.read_text(), re.M))
     assert len(recording_rules()) == 4
-    for _, expr in found:
-        assert_names_exist(expr, exported)
-    for alert in re.findall(r"- alert: (\w+)\n\s+expr: .*\n(?:.*\n)*?\s+labels:\n\s+severity: "
-                            r"(\w+)", RULES.read_text()):  # fmt: skip
-        assert alert[1] in ("critical", "warning"), alert
+    for rule in found:
+        assert_names_exist(rule["expr"], exported)
+
+
+def test_every_alert_has_a_severity_a_summary_and_what_to_do() -> None:
+    alerts = [rule for rule in rules() if "alert" in rule]
+    assert len(alerts) == 16
+    for alert in alerts:
+        assert alert["labels"]["severity"] in ("critical", "warning"), alert["alert"]
+        assert set(alert["annotations"]) == {"summary", "description"}, alert["alert"]
+    severity = {a["alert"]: a["labels"]["severity"] for a in alerts}
+    assert severity["TmdDown"] == "critical"
+    assert severity["TmdJobWithoutReadyStandby"] == "warning"
+
+
+def test_the_rule_reader_without_yaml_reads_what_yaml_reads() -> None:
+    """``rule_blocks``, what reads the rules where PyYAML is not installed, against
+    PyYAML; and one rule's lines never reach into the next's."""
+    yaml = pytest.importorskip("yaml")
+    text = RULES.read_text()
+    want = [r for g in yaml.safe_load(text)["groups"] for r in g["rules"]]
+    got = rule_blocks(text)
+    assert [_folded(r) for r in got] == [_folded(r) for r in want]
+    # A rule without labels takes none from the next rule.
+    two = (
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n"
+        "      - alert: B\n        expr: |\n          up\n            == 1\n"
+        "        labels:\n          severity: warning\n"
+    )
+    assert rule_blocks(two) == [
+        {"alert": "A", "expr": "up == 0"},
+        {"alert": "B", "expr": "up == 1", "labels": {"severity": "warning"}},
+    ]
 
 
 # -- the rules, by promtool --------------------------------------------------------------
