@@ -38,6 +38,9 @@ class Stragglers:
     policies that replace stragglers (``rebalance``, ``fpi``) decide about: found,
     cleared, gone once its migration finished done or it left the job another way."""
 
+    # The events ``observe`` reads.
+    consumes = (events.StragglerFound, events.StragglerCleared, events.MigrationFinished)
+
     def __init__(self) -> None:
         self.by_key: dict[tuple[str, str], Straggler] = {}  # (job, node)
 
@@ -54,10 +57,25 @@ class Stragglers:
         # tick tries again. Found by ``tmd sim``: a runtime failover elsewhere in the
         # job aborts a planned move.
 
+    def present(self, jobs: Mapping[str, JobView]) -> list[tuple[tuple[str, str], Straggler]]:
+        """Those whose machine is still a member of its job in ``jobs`` (the view's),
+        changing nothing: what ``/metrics`` exports between two ``forget_gone``.
+        O(flagged + the members of their jobs): each job's machines are gathered once."""
+        machines: dict[str, set[str]] = {}
+        out = []
+        for key, straggler in self.by_key.items():
+            job = jobs.get(key[0])
+            if job is None:
+                continue
+            members = machines.get(key[0])
+            if members is None:
+                members = machines[key[0]] = set(job.members.values())
+            if key[1] in members:
+                out.append((key, straggler))
+        return out
+
     def forget_gone(self, jobs: Mapping[str, JobView]) -> None:
         """Forget those whose machine left its job another way (the runtime's failover
-        replaced it, the job restarted without it)."""
-        gone = [k for k in self.by_key
-                if k[0] in jobs and k[1] not in jobs[k[0]].members.values()]  # fmt: skip
-        for key in gone:
-            del self.by_key[key]
+        replaced it, the job restarted without it), and those of jobs no longer in
+        ``jobs`` (the view forgot them)."""
+        self.by_key = dict(self.present(jobs))

@@ -1,7 +1,9 @@
 """End to end: a real mosquitto, the real daemon (``tmd run``, its own process), a real
 three-rank gloo job with one standby, over real MQTT and HTTP.
 
-(a) a slow machine is found and rebalanced at the next tick; (b) a killed rank fails
+(a) a slow machine is found and rebalanced at the next tick, while a real Prometheus
+scrapes the daemon with the shipped scrape config and rules, and then every panel of the
+shipped dashboard is queried (``tests/integration/prometheus.py``); (b) a killed rank fails
 over; (c) an alert labelled as dcgm-exporter's scrape labels it (``instance``,
 ``Hostname``, ``job="dcgm-exporter"``) comes through the real Alertmanager webhook and
 the named machine moves; and on machines of two ranks each, (d) ``tmd agent`` on the
@@ -27,7 +29,9 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import need_tool
 from tests.helpers import Publisher
+from tests.integration import prometheus
 from tests.integration.e2e_train import SCRIPT
 from tests.integration.runtime_conftest_helpers import assert_same_as
 from tmd import wire
@@ -156,6 +160,7 @@ class Stack:
         self.tmp, self.broker, self.name = tmp, broker, job
         self.daemon: Daemon | None = None
         self.job: LocalJob | None = None
+        self.prometheus: prometheus.Prometheus | None = None
         self.nproc = NPROC
         self.out = tmp / "out"
         self.out.mkdir()
@@ -163,6 +168,18 @@ class Stack:
     def start_daemon(self, **sections: dict[str, Any]) -> Daemon:
         self.daemon = Daemon(self.tmp, self.broker, **sections)
         return self.daemon
+
+    def start_prometheus(self) -> prometheus.Prometheus | None:
+        """A real Prometheus scraping the daemon every second, where one is installed."""
+        binary = prometheus.find_prometheus()
+        if binary is None:
+            return None
+        assert self.daemon is not None
+        (self.tmp / "prometheus").mkdir()
+        self.prometheus = prometheus.Prometheus(
+            binary, self.tmp / "prometheus", f"127.0.0.1:{self.daemon.port}"
+        )
+        return self.prometheus
 
     def start_job(
         self, *extra: str, env: dict[str, str] | None = None, nproc: int = NPROC,
@@ -221,6 +238,8 @@ class Stack:
                  "the actuator to hold the sentinel's migration", 30)  # fmt: skip
 
     def close(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
         if self.job is not None:
             self.job.terminate()
         if self.daemon is not None:
@@ -322,10 +341,21 @@ def test_the_agent_reports_a_fatal_xid_and_its_machine_moves_as_one(
     assert migrate["policy"] == "failover" and "worker1 GPU 1" in migrate["reason"]
 
 
+EMPTY_ON_A_HEALTHY_CLUSTER = {
+    "Slowdown of machines flagged slow": "no machine is flagged now: worker2 was, until its"
+    " migration took it out of the job (its series ends there)",
+    "Dropped events and actuator errors": "their series start with the first event dropped"
+    " for a subscriber, or the first error in an actuator step: there was none",
+}
+"""Dashboard panels with nothing to show on a healthy cluster, and why; every other panel
+has data over the straggler's test (its queries' ranges reach back to its start)."""
+
+
 def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Path) -> None:
     daemon = stack.start_daemon(
         policies={"rebalance": {"interval_min": 0.05, "persist_s": 0.0, "prior_downtime_s": 1.0}}
     )
+    prom = stack.start_prometheus()  # scrapes from before the job starts to its end
     stack.start_job(env={"E2E_SLOW_NODE": "worker2", "E2E_SLOW_S": str(SLOW_S)})
     found = wait_for(lambda: daemon.events("StragglerFound"), "the straggler to be found", 90)
     assert found[0]["node"] == "worker2"
@@ -340,6 +370,14 @@ def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Pat
     codes = stack.finish(reference)
     assert set(codes.values()) == {0}
     assert daemon.states()[:5] == ["planned", "preparing", "prepared", "switching", "done"]
+    # The operators' view of this run. Without prometheus the rest of this test ran: it is
+    # skipped only now (and fails under CI).
+    need_tool("prometheus", prometheus.find_prometheus(), install=prometheus.INSTALL)
+    assert prom is not None
+    prometheus.check_operators_view(
+        prom, target=f"127.0.0.1:{daemon.port}", tmd_job=stack.name,
+        empty=EMPTY_ON_A_HEALTHY_CLUSTER,
+    )  # fmt: skip
 
 
 def test_a_killed_rank_fails_over(stack: Stack, reference: Path) -> None:

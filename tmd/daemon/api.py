@@ -127,10 +127,6 @@ class Api:
         return await handler(request)
 
     async def _get_metrics(self, request: web.Request) -> web.Response:
-        view = self._view
-        self._metrics.jobs.set(len(view.jobs))
-        self._metrics.nodes.set(len(view.nodes))
-        self._metrics.ranks.set(view.total_ranks)
         body = generate_latest(self._metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

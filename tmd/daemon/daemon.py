@@ -18,13 +18,15 @@ from tmd.clock import Clock, SystemClock
 from tmd.config import Config
 from tmd.daemon import events, plugins, routes
 from tmd.daemon.actuator import Actuator
+from tmd.daemon.actuator.membership import RUNTIME
 from tmd.daemon.api import Api
 from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
 from tmd.daemon.journal import Journal
-from tmd.daemon.metrics import Metrics
+from tmd.daemon.metrics import LOOP_STALL_S, Metrics
 from tmd.daemon.view import ClusterView
 from tmd.errors import JournalError
+from tmd.policies.base import Stragglers
 
 HOUSEKEEPING_INTERVAL_S = 60.0
 LAG_PROBE_INTERVAL_S = 1.0
@@ -67,8 +69,17 @@ class Daemon:
             max_nodes=ing.max_nodes,
             same_gpu_model=config.actuator.same_gpu_type,
         )
+        # The machines flagged slow now, for /metrics (the policies keep their own).
+        self.stragglers = Stragglers()
+        self.metrics.watch(self.view, self.stragglers)
         self.bus = Bus(on_drop=self._on_bus_drop)
         self.specs = plugin_specs(config)
+        # Every policy that can start a migration, counted from 0 now: a runtime's
+        # failover, or a migration resumed after a restart, may start and end between
+        # two scrapes, and an increase from a series's first sample is none. (Operators'
+        # requests are the drain policy's, alerts the alert policy's.)
+        for name in (*(s.name for s in self.specs if s.kind == "policies"), RUNTIME):
+            self.metrics.migration_started(name)
         self.journal = Journal(config.journal.resolved_path())
         self.ingest = Ingest(
             mqtt=config.mqtt,
@@ -107,7 +118,10 @@ class Daemon:
     def emit(self, event: events.Event, source: str) -> None:
         """A finding, decision or request: journal it, count it, log it, pass it on."""
         kind = type(event).__name__
-        note_finding(self.view, event, self.clock.now())
+        now = self.clock.now()
+        note_finding(self.view, event, now)
+        if isinstance(event, Stragglers.consumes):
+            self.stragglers.observe(event, now)
         self.metrics.events.labels(kind=kind).inc()
         try:
             self.journal.record(event, source=source)
@@ -124,7 +138,7 @@ class Daemon:
 
     def health(self) -> dict[str, Any]:
         up = {r.spec.name: r.up for r in self.runners}
-        lag_ok = self.loop_lag_s < 5.0
+        lag_ok = self.loop_lag_s < LOOP_STALL_S
         return {
             "ok": self.ingest.connected and lag_ok,
             "mqtt": "connected" if self.ingest.connected else "disconnected",
@@ -176,27 +190,31 @@ class Daemon:
             start = loop.time()
             await asyncio.sleep(probe)
             self.loop_lag_s = max(0.0, loop.time() - start - probe)
-            self.metrics.loop_lag.set(self.loop_lag_s)
+            self.metrics.loop_lagged(self.loop_lag_s)
             if interval is not None and self.loop_lag_s < max_lag:
                 sdnotify.watchdog_ping()
 
     async def _housekeeping(self) -> None:
-        """Every ``HOUSEKEEPING_INTERVAL_S``: what outside publishers name is forgotten
-        once silent (the view), once its job is forgotten (the actuator), or once past
-        the journal's retention, so no table grows with every name ever seen."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
-            now = self.clock.now()
-            jobs, nodes = self.view.forget_silent(now, self.config.ingest.forget_after_s)
-            if jobs or nodes:
-                self.log.info("forgot silent jobs and nodes", jobs=jobs, nodes=nodes)
-            self.actuator.prune(now)
-            try:
-                before = now - self.config.journal.retention_days * 86400
-                self.journal.prune(before, keep_jobs=self.view.jobs.keys())
-            except JournalError as exc:
-                self.metrics.journal_errors.inc()
-                self.log.error("journal prune failed", error=str(exc))
+            self.housekeep(self.clock.now())
+
+    def housekeep(self, now: float) -> None:
+        """Every ``HOUSEKEEPING_INTERVAL_S``: what outside publishers name is forgotten
+        once silent (the view), once its job is forgotten or its machine left the job
+        (the actuator, the machines flagged slow), or once past the journal's
+        retention, so no table grows with every name ever seen."""
+        jobs, nodes = self.view.forget_silent(now, self.config.ingest.forget_after_s)
+        if jobs or nodes:
+            self.log.info("forgot silent jobs and nodes", jobs=jobs, nodes=nodes)
+        self.stragglers.forget_gone(self.view.jobs)  # /metrics only reads them
+        self.actuator.prune(now)
+        try:
+            before = now - self.config.journal.retention_days * 86400
+            self.journal.prune(before, keep_jobs=self.view.jobs.keys())
+        except JournalError as exc:
+            self.metrics.journal_errors.inc()
+            self.log.error("journal prune failed", error=str(exc))
 
     def _on_bus_drop(self, subscriber: str) -> None:
         self.metrics.bus_dropped.labels(subscriber=subscriber).inc()

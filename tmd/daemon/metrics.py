@@ -1,17 +1,37 @@
 """Prometheus metrics of the daemon, all prefixed ``tmd_``, on one registry per daemon
 (so tests and benchmarks can run several daemons in one process).
+
+A label that names a training job is called ``tmd_job``, never ``job``: Prometheus
+sets ``job`` to the scrape job and would rename ours ``exported_job`` (or, with
+``honor_labels``, let it replace the scrape job). Counters whose label values are
+known in advance are exported from 0, so the first increase is one ``rate`` sees.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter as Tallies
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, get_args, get_type_hints
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 import tmd
+from tmd import wire
+from tmd.daemon import events
+
+if TYPE_CHECKING:
+    from tmd.daemon.view import ClusterView, JobView
+
+    # policies import the plug-in API, which imports this module
+    from tmd.policies.base import Stragglers
 
 REJECT_REASONS = (
     "topic",
@@ -26,9 +46,19 @@ REJECT_REASONS = (
     "internal",
 )
 MESSAGE_KINDS = ("node_status", "gpu", "xid", "iter", "node_iter", "job_status", "ack", "unknown")
+# Of a migration or a checkpoint restart; and what the view's machines and standbys can be.
+OUTCOMES: tuple[str, ...] = get_args(get_type_hints(events.MigrationFinished)["outcome"])
+NODE_ROLES: tuple[str, ...] = get_args(get_type_hints(wire.NodeStatus)["role"])
+# "unknown": the view knows the machine from a sample or an XID, not yet its status
+NODE_STATES: tuple[str, ...] = (*get_args(get_type_hints(wire.NodeStatus)["state"]), "unknown")
+STANDBY_STATES: tuple[str, ...] = get_args(get_type_hints(wire.StandbyInfo)["state"])
+# "unknown": the view knows the job from its ranks' steps, not yet from its status
+JOB_STATES: tuple[str, ...] = (*get_args(get_type_hints(wire.JobStatus)["state"]), "unknown")
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LOOP_STALL_S = 5.0
+"""An event-loop lag this long is a stall: /healthz fails, and it is counted."""
 
 
 class Tally:
@@ -96,6 +126,116 @@ class _IngestCollector(Collector):
         )
 
 
+class ViewCollector(Collector):
+    """What the cluster view holds, counted when scraped (nothing on the ingest path):
+    its size, its machines, each job's state and standby machines, and the machines
+    flagged slow now (``stragglers``, fed every finding the daemon emits). A scrape
+    reads and changes nothing: what the view and the stragglers forget, the daemon's
+    housekeeping prunes."""
+
+    def __init__(self, view: ClusterView, stragglers: Stragglers) -> None:
+        self._view = view
+        self._stragglers = stragglers
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view
+        for name, doc, value in (
+            ("tmd_view_jobs", "Jobs in the cluster view", len(view.jobs)),
+            ("tmd_view_nodes", "Nodes in the cluster view", len(view.nodes)),
+            ("tmd_view_ranks", "Ranks in the cluster view", view.total_ranks),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield from self._machines()
+        yield from self._jobs()
+        slowdown = GaugeMetricFamily(
+            "tmd_straggler_slowdown",
+            "Machines the straggler detector flagged and that are still in their job:"
+            " how much slower than their peers (0.2 = 20%) when found",
+            labels=["tmd_job", "node"],
+        )
+        # Only those still in their job, in a job the view still holds.
+        for (job, node), straggler in sorted(self._stragglers.present(view.jobs)):
+            slowdown.add_metric([job, node], straggler.slowdown)
+        yield slowdown
+
+    def _machines(self) -> Iterator[Metric]:
+        view = self._view
+        by_state: Tallies[tuple[str, str]] = Tallies()
+        out: Tallies[str] = Tallies()
+        for node in view.nodes.values():
+            by_state[(node.role, node.state)] += 1
+            out["gpu_fault"] += view.gpu_faulty(node.node, forget=False)
+            out["lost"] += view.lost(node.node, forget=False)
+        machines = GaugeMetricFamily(
+            "tmd_machines",
+            "Machines in the cluster view, by role and by their agent's last status",
+            labels=["role", "state"],
+        )
+        for role in NODE_ROLES:
+            for state in NODE_STATES:
+                machines.add_metric([role, state], by_state[(role, state)])
+        yield machines
+        unusable = GaugeMetricFamily(
+            "tmd_machines_out_of_service",
+            "Machines no migration moves work onto, by cause: gpu_fault (a GPU fault since"
+            " their agent last started), lost (offline, or silent since a NodeLost)",
+            labels=["cause"],
+        )
+        for cause in ("gpu_fault", "lost"):
+            unusable.add_metric([cause], out[cause])
+        yield unusable
+
+    def _jobs(self) -> Iterator[Metric]:
+        view = self._view
+        in_state = GaugeMetricFamily(
+            "tmd_job_state",
+            "Each job's state by its last status, 1 for the one it is in: running,"
+            " migrating, restarting, stopped (it ended; the view keeps it until"
+            " ingest.forget_after_s), unknown (no status yet)",
+            labels=["tmd_job", "state"],
+        )
+        listed = GaugeMetricFamily(
+            "tmd_job_standbys",
+            "Standby machines each job's status lists, by their state",
+            labels=["tmd_job", "state"],
+        )
+        ready = GaugeMetricFamily(
+            "tmd_job_standbys_ready",
+            "Standby machines that may take a machine of the job now (ready, not a member,"
+            " their machine neither offline nor faulty, with the machine's slots and GPU"
+            " model), for the job's worst-off machine: the fewest over each kind (slots,"
+            " GPU model) of its machines. 0 means a failure of some machine costs a"
+            " checkpoint restart",
+            labels=["tmd_job"],
+        )
+        for name, job in sorted(view.jobs.items()):
+            for state in JOB_STATES:
+                in_state.add_metric([name, state], float(job.state == state))
+            states: Tallies[str] = Tallies(s.state for s in job.standbys.values())
+            for state in STANDBY_STATES:
+                listed.add_metric([name, state], states[state])
+            ready.add_metric([name], fewest_ready(view, name, job))
+        yield in_state
+        yield listed
+        yield ready
+
+
+def fewest_ready(view: ClusterView, name: str, job: JobView) -> int:
+    """The ready standbys (``ClusterView.ready_standbys``, changing nothing) of the
+    machine of job ``name`` that has fewest: a standby takes a machine of as many
+    slots, and of its GPU model, so one representative of each kind of machine is
+    asked about. A job without members: its ready standbys, whatever they fit."""
+    leavers: dict[tuple[int, str], str] = {}
+    for machine, ranks in job.machines().items():
+        model = view.gpu_model(machine) if view.same_gpu_model else ""
+        leavers.setdefault((len(ranks), model), machine)
+    if not leavers:
+        return len(view.ready_standbys(name, forget=False))
+    return min(
+        len(view.ready_standbys(name, leaver=leaver, forget=False)) for leaver in leavers.values()
+    )
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -135,11 +275,21 @@ class Metrics:
         self.events = Counter(
             "tmd_events_total", "Findings and decisions, by kind", ["kind"], registry=r
         )
+        for kind in events.ALL:
+            self.events.labels(kind=kind.__name__)
         self.journal_errors = Counter(
             "tmd_journal_errors_total", "Journal writes that failed", registry=r
         )
+        # Its children start at 0 for each policy the daemon runs, and the runtime's,
+        # when it starts (``migration_started``): the policies are plug-ins, not known
+        # here. A migration of another (resumed, of a policy since disabled) starts
+        # them when it starts.
         self.migrations = Counter(
-            "tmd_migrations_total", "Migrations finished, by outcome", ["outcome"], registry=r
+            "tmd_migrations_total",
+            "Migrations finished, by outcome and by the policy that decided them"
+            " (runtime: a failover the job's runtime did by itself)",
+            ["outcome", "policy"],
+            registry=r,
         )
         self.restarts = Counter(
             "tmd_restarts_total",
@@ -147,6 +297,8 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in OUTCOMES:
+            self.restarts.labels(outcome=outcome)
         self.migrations_in_flight = Gauge(
             "tmd_migrations_in_flight", "Migrations the actuator is driving", registry=r
         )
@@ -179,9 +331,32 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
             registry=r,
         )
-        self.jobs = Gauge("tmd_view_jobs", "Jobs in the cluster view", registry=r)
-        self.nodes = Gauge("tmd_view_nodes", "Nodes in the cluster view", registry=r)
-        self.ranks = Gauge("tmd_view_ranks", "Ranks in the cluster view", registry=r)
         self.loop_lag = Gauge(
             "tmd_event_loop_lag_seconds", "Last measured event-loop scheduling lag", registry=r
         )
+        self.loop_stalls = Counter(
+            "tmd_event_loop_stalls_total",
+            f"Event-loop lags of {LOOP_STALL_S:g} s or more, each counted when measured (a"
+            " stall between two scrapes too, which the last lag does not show)",
+            registry=r,
+        )
+
+    def loop_lagged(self, lag_s: float) -> None:
+        """The event loop ran ``lag_s`` late (measured about once a second)."""
+        self.loop_lag.set(lag_s)
+        if lag_s >= LOOP_STALL_S:
+            self.loop_stalls.inc()
+
+    def watch(self, view: ClusterView, stragglers: Stragglers) -> None:
+        """Export what ``view`` holds, and the machines flagged slow now, when scraped."""
+        self.registry.register(ViewCollector(view, stragglers))
+
+    def plugin_started(self, plugin: str) -> None:
+        """``plugin``'s restart counter from 0, so its first restart is an increase."""
+        self.plugin_restarts.labels(plugin=plugin)
+
+    def migration_started(self, policy: str) -> None:
+        """``policy``'s migration counters from 0 (if not yet), so its first failure is
+        an increase."""
+        for outcome in OUTCOMES:
+            self.migrations.labels(outcome=outcome, policy=policy)

@@ -167,6 +167,7 @@ class Runner:
     async def run(self) -> None:
         label = self.spec.name
         up = self._metrics.plugin_up.labels(plugin=label)
+        self._metrics.plugin_started(label)
         consumes = self.spec.factory.consumes
         # One subscription for the runner's life: events that arrive while the plug-in
         # backs off after a failure wait in the queue instead of being lost.

@@ -374,23 +374,31 @@ class ClusterView:
         standby to move work onto until it proves itself again."""
         _note(self._lost if lost else self._faults, node, ts, self.max_nodes)
 
-    def healthy(self, node: str) -> bool:
-        """No GpuFault on ``node`` since its agent last (re)started, and not ``lost``.
-        Judged on the daemon's clock, as messages arrived: an agent's own clock (its
-        messages' ts) may be anywhere."""
-        since = self._faults.get(node)
-        if since is not None:
-            # A GPU fault keeps the node out until its agent restarts (a repaired
-            # node's agent does) and publishes its status live after the fault.
-            seen = self.nodes.get(node)
-            if seen is None or seen.state != "online" or seen.status_seen <= since:
-                return False
-            del self._faults[node]
-        return not self.lost(node)
+    def healthy(self, node: str, *, forget: bool = True) -> bool:
+        """Neither ``gpu_faulty`` nor ``lost``."""
+        return not self.gpu_faulty(node, forget=forget) and not self.lost(node, forget=forget)
 
-    def lost(self, node: str) -> bool:
+    def gpu_faulty(self, node: str, *, forget: bool = True) -> bool:
+        """A GpuFault on ``node`` since its agent last (re)started. Judged on the
+        daemon's clock, as messages arrived: an agent's own clock (its messages' ts)
+        may be anywhere. A fault the agent has since got over is forgotten, unless
+        ``forget`` is False (a reader, such as ``/metrics``, that must change nothing)."""
+        since = self._faults.get(node)
+        if since is None:
+            return False
+        # A GPU fault keeps the node out until its agent restarts (a repaired node's
+        # agent does) and publishes its status live after the fault.
+        seen = self.nodes.get(node)
+        if seen is None or seen.state != "online" or seen.status_seen <= since:
+            return True
+        if forget:
+            del self._faults[node]
+        return False
+
+    def lost(self, node: str, *, forget: bool = True) -> bool:
         """Whether ``node`` is offline, or a NodeLost came and nothing from its agent
-        since: its processes cannot be counted on to run, let alone to answer."""
+        since: its processes cannot be counted on to run, let alone to answer. A loss
+        the agent has since disproved is forgotten, unless ``forget`` is False."""
         seen = self.nodes.get(node)
         if seen is not None and seen.state == "offline":
             return True
@@ -401,7 +409,8 @@ class ClusterView:
         # the machine is up: the loss was a silence, not a death. Not a retained copy
         # the broker replays on a reconnect: a dead agent's last status is one.
         if seen is not None and seen.live_seen > since:
-            del self._lost[node]
+            if forget:
+                del self._lost[node]
             return False
         return True
 
@@ -410,12 +419,15 @@ class ClusterView:
         seen = self.nodes.get(node)
         return seen.gpus[0].name if seen is not None and seen.gpus else ""
 
-    def ready_standbys(self, job: str, *, leaver: str | None = None) -> list[str]:
+    def ready_standbys(
+        self, job: str, *, leaver: str | None = None, forget: bool = True
+    ) -> list[str]:
         """The job's standby machines that may take a machine's place now, by name:
         ready and not a member by the job's own status (``wire.ready_standbys``), their
         node not known to be offline and ``healthy``, and, given the ``leaver`` they
         would replace, with as many slots as it runs ranks of the job (when it runs any)
-        and of its GPU model when both agents reported one (``same_gpu_model``)."""
+        and of its GPU model when both agents reported one (``same_gpu_model``).
+        ``forget``: as ``healthy``'s (False: change nothing)."""
         j = self.jobs.get(job)
         if j is None:
             return []
@@ -429,7 +441,7 @@ class ClusterView:
             node = self.nodes.get(name)
             if node is not None and node.state == "offline":
                 continue
-            if not self.healthy(name):
+            if not self.healthy(name, forget=forget):
                 continue
             have = self.gpu_model(name)
             if want and have and want != have:

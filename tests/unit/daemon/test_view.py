@@ -404,3 +404,22 @@ def test_a_machine_is_lost_until_its_agent_reports_again() -> None:
     assert view.lost("w0")
     view.note_fault("w8", TS, lost=True)  # a machine never heard of
     assert view.lost("w8")
+
+
+def test_a_reader_that_must_change_nothing_gets_the_same_answers() -> None:
+    """``forget=False`` (``/metrics``): the same answers, and the faults and losses the
+    agents have since got over stay noted until a reader that may forget asks."""
+    view = standby_view({"s0": "ready", "s1": "ready"})
+    view.apply_node_status(node("s0"), TS)
+    view.note_fault("s0", TS + 1)
+    view.note_fault("s1", TS + 1, lost=True)
+    assert view.gpu_faulty("s0", forget=False) and view.lost("s1", forget=False)
+    view.apply_node_status(node("s0"), TS + 2)  # its agent restarted after the fault
+    view.apply_gpu(wire.NodeGpu(ts=TS, node="s1"), TS + 2)  # a sign of life after the loss
+    noted = (dict(view._faults), dict(view._lost))
+    assert not view.gpu_faulty("s0", forget=False) and not view.lost("s1", forget=False)
+    assert view.healthy("s0", forget=False) and view.healthy("s1", forget=False)
+    assert view.ready_standbys("j", forget=False) == ["s0", "s1"]
+    assert (view._faults, view._lost) == noted  # nothing forgotten
+    assert view.ready_standbys("j") == ["s0", "s1"]
+    assert (view._faults, view._lost) == ({}, {})

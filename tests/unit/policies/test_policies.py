@@ -434,6 +434,19 @@ def test_rebalance_forgets_a_straggler_that_left_its_job_another_way() -> None:
     assert list(p.tick(T0)) == []
 
 
+def test_stragglers_of_a_job_the_view_forgot_are_forgotten() -> None:
+    """Not kept, nor decided about (a Hold for a job nobody sees), once the view let
+    the job go; ``present`` reads the same without forgetting."""
+    v = view()
+    p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(v))
+    list(p.observe(straggler("n1", 0.3), T0))
+    assert v.forget_job("a")
+    assert p._stragglers.present(v.jobs) == []
+    assert ("a", "n1") in p._stragglers.by_key
+    assert list(p.tick(T0)) == []
+    assert p._stragglers.by_key == {}
+
+
 def test_rebalance_holds_without_a_ready_standby() -> None:
     p = RebalancePolicy(RebalanceConfig(persist_s=0), context=ctx(view({})))
     list(p.observe(straggler("n0", 0.3), T0))

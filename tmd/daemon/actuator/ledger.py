@@ -93,15 +93,18 @@ class Ledger:
 
     def begin(self, flight: Flight, *, reason: str, now: float) -> bool:
         """Journal a new migration as ``planned`` (a restart as ``restarting``: nothing
-        comes before its command); False if it was journaled already."""
+        comes before its command); False if it was journaled already. Its detail names
+        the policy that decided it, what a resumed migration is counted under."""
+        policy = {"policy": flight.policy}
         if flight.is_restart:
+            detail = {**self.machine.journaled(flight, "restarting"), **policy}
             return self.journal.begin_migration(
                 id=flight.id, job=flight.job, leaver=flight.leaver, joiner="", reason=reason,
-                ts=now, state="restarting", detail=self.machine.journaled(flight, "restarting"),
+                ts=now, state="restarting", detail=detail,
             )  # fmt: skip
         return self.journal.begin_migration(
             id=flight.id, job=flight.job, leaver=flight.leaver, joiner=flight.joiner,
-            reason=reason, ts=now,
+            reason=reason, ts=now, detail=policy,
         )  # fmt: skip
 
     def start(self, flight: Flight, started: float) -> None:
@@ -110,6 +113,8 @@ class Ledger:
             self.guard_state.restarting[flight.job] = flight.id
             self.guard_state.last_restart[(flight.job, flight.leaver)] = started
         else:
+            if self.metrics is not None:
+                self.metrics.migration_started(flight.policy)
             self.guard_state.record_start(
                 events.Migrate(ts=started, policy=flight.policy, reason="", job=flight.job,
                                node=flight.leaver),
@@ -172,7 +177,7 @@ class Ledger:
         if outcome == "done":
             self.replace(flight.job, flight.leaver, flight.joiner)
         if self.metrics is not None:
-            self.metrics.migrations.labels(outcome=outcome).inc()
+            self.metrics.migrations.labels(outcome=outcome, policy=flight.policy).inc()
             if downtime is not None:
                 # A switch cheaper than the step noise measures slightly below zero;
                 # the event and the journal keep that, the histogram (whose _sum must

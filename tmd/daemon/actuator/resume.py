@@ -16,13 +16,19 @@ as a second restart.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 from tmd import wire
 from tmd.daemon.actuator.flight import RESTART, Flight, Phase, machine_slots
 from tmd.daemon.actuator.ledger import Ledger
+from tmd.daemon.actuator.membership import RUNTIME
 from tmd.daemon.journal import TERMINAL_STATES, MigrationRow
 from tmd.daemon.view import ClusterView, JobView
+
+UNKNOWN_POLICY = "unknown"
+"""Of a row journaled before its detail named the policy, whose reason names none."""
+_POLICY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 
 
 def reconcile(
@@ -127,9 +133,22 @@ def restore(row: MigrationRow, job: JobView | None, phase: Phase, *, deadline: f
     run = row.detail.get("run")  # a restart's; None: journaled before runs were counted
     return Flight(
         id=row.id, job=row.job, leaver=row.leaver, joiner=row.joiner,
-        policy=row.reason.partition(":")[0], reason=row.reason, phase=phase,
+        policy=policy_of(row), reason=row.reason, phase=phase,
         generation=int(row.detail.get("generation", job.generation if job else 0)),
         members=members, deadline=deadline, slots=slots,
         runtime_id=str(row.detail.get("runtime_id", "")),
         run=None if run is None else int(run),
     )  # fmt: skip
+
+
+def policy_of(row: MigrationRow) -> str:
+    """The policy that decided ``row``'s migration, as its detail names it (``Ledger.begin``).
+    A row journaled before that: the runtime's failover (its reason is a sentence), else
+    the policy its reason starts with ("policy: reason"), if that is a policy's name."""
+    policy = row.detail.get("policy")
+    if isinstance(policy, str) and policy:
+        return policy
+    if row.detail.get("runtime_id"):
+        return RUNTIME
+    named = row.reason.partition(":")[0]
+    return named if _POLICY_NAME.fullmatch(named) else UNKNOWN_POLICY

@@ -12,7 +12,9 @@ from tmd.config import ActuatorConfig
 from tmd.daemon import events
 from tmd.daemon.actuator import RUNTIME_ACK_GRACE_S, Actuator
 from tmd.daemon.actuator.guardrails import GuardrailsConfig
-from tmd.daemon.journal import Journal
+from tmd.daemon.actuator.resume import policy_of
+from tmd.daemon.journal import Journal, MigrationRow
+from tmd.daemon.metrics import Metrics
 from tmd.daemon.view import ClusterView
 
 T0 = 1_800_000_000.0
@@ -47,8 +49,9 @@ def migrate(node: str = "w2", policy: str = "alert", to: str | None = None) -> e
 
 
 class Harness:
-    def __init__(self, path: Path, **guard: object) -> None:
+    def __init__(self, path: Path, *, metrics: Metrics | None = None, **guard: object) -> None:
         self.path = path
+        self.metrics = metrics
         self.view = ClusterView()
         self.journal = Journal(path)
         self.emitted: list[events.Event] = []
@@ -59,6 +62,7 @@ class Harness:
         return Actuator(
             config=ActuatorConfig(prepare_timeout_s=30, switch_timeout_s=20, resend_s=5),
             guard=self.guard, view=self.view, journal=self.journal, emit=self.emit,
+            metrics=self.metrics,
         )  # fmt: skip
 
     def emit(self, event: events.Event, source: str) -> None:
@@ -392,6 +396,56 @@ def test_a_runtime_failover_pending_its_ack_survives_a_restart(h: Harness) -> No
     h.feed(ack("failover-g0", "switched", "w0", 1.2))
     [end] = h.finished()
     assert (end.node, end.to, end.outcome, end.downtime_s) == ("w1", "s0", "done", 1.2)
+
+
+def test_a_resumed_migration_is_counted_under_the_policy_that_decided_it(
+    tmp_path: Path,
+) -> None:
+    """The journal names the policy (the reason of a runtime's failover is a sentence,
+    which would have become a label value): a migration resumed after a restart is
+    counted under the same ``policy`` as one that was not."""
+    h = Harness(tmp_path / "journal.sqlite3", metrics=Metrics())
+    h.status(status())
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}), T0 + 3)  # the runtime's failover
+    [row] = h.journal.in_flight()
+    assert row.detail["policy"] == "runtime" and ":" not in row.reason
+    h.metrics = Metrics()  # a new process
+    h.restart()
+    h.status(status(1, ["w0", "s0", "w2"], standbys={}), T0 + 5)
+    assert h.actuator.reconcile(T0 + 6) == []
+    assert [f.policy for f in h.actuator.ledger.flights.values()] == ["runtime"]
+    h.feed(ack("failover-g0", "switched", "w0", 1.2))
+    registry = h.metrics.registry
+    labels = {s.labels["policy"] for f in registry.collect() if f.name == "tmd_migrations"
+              for s in f.samples}  # fmt: skip
+    assert labels == {"runtime"}
+    done = {"outcome": "done", "policy": "runtime"}
+    assert registry.get_sample_value("tmd_migrations_total", done) == 1
+
+    h = Harness(tmp_path / "another.sqlite3")
+    mid = start(h)  # the alert policy's, resumed from its prepare
+    assert h.journal.migration(mid).detail["policy"] == "alert"  # type: ignore[union-attr]
+    h.restart()
+    h.status(status(), T0 + 10)
+    [prepare] = h.actuator.reconcile(T0 + 12)
+    assert isinstance(prepare, wire.Prepare) and h.actuator.ledger.flights[mid].policy == "alert"
+
+
+@pytest.mark.parametrize(
+    ("reason", "detail", "policy"),
+    [
+        ("the runtime replaced lost rank 1 (machine w1) with s0", {"runtime_id": "f"}, "runtime"),
+        ("rebalance: n1 +30% for 60 s", {}, "rebalance"),
+        ("a sentence, not a policy: x", {}, "unknown"),
+        ("no colon at all", {}, "unknown"),
+        ("drain: operator drain", {"policy": "drain"}, "drain"),
+    ],
+)
+def test_the_policy_of_a_row_journaled_before_its_detail_named_it(
+    reason: str, detail: dict[str, str], policy: str
+) -> None:
+    row = MigrationRow("m", JOB, "w1", "s0", "switching", reason, T0, T0, detail)
+    assert policy_of(row) == policy
 
 
 def test_a_runtime_that_cannot_fail_over_is_recorded_as_checkpoint_restart(h: Harness) -> None:
