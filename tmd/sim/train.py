@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tmd.sim import fpi
+from tmd.tools.bench import Progress
 
 GAMMA = 0.99
 
@@ -40,9 +41,12 @@ def main(argv: list[str] | None = None, *, quiet: bool = False) -> int:
     if args.gpus < 1 or args.tick_s <= 0 or args.pool < 1 or not 0 <= args.p < 1:
         p.error("--gpus >= 1, --tick-s > 0, --pool >= 1, --p in [0, 1)")
     limits = fpi.Limits(max_per_hour=args.max_per_hour, min_pool=args.min_pool)
+    progress = Progress()  # on a terminal only: piped, the JSON summary is all
     t0 = time.process_time()
+    progress.say(f"estimating the model from the simulator: {args.mix}, {args.gpus} GPUs")
     mdp = fpi.from_sim(mix=args.mix, gpus=args.gpus, tick_s=args.tick_s, pool=args.pool,
                        limits=limits)  # fmt: skip
+    progress.say(f"{mdp.n_states} states; solving with {args.algorithm}")
     if args.algorithm == "lagrangian":
         start = mdp.states.index((0, 0, args.pool, 0, 0))
         table, lam = fpi.lagrangian(mdp, start=start, risk=args.risk, gamma=GAMMA)
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None, *, quiet: bool = False) -> int:
         about.update(risk=args.risk, lagrangian_lambda=round(lam, 6))
     model = fpi.export(mdp, run, p=args.p, gamma=GAMMA, about=about, algorithm=args.algorithm)
     args.out.write_text(json.dumps(model) + "\n")
+    progress.say(f"{run.iterations} iterations; written to {args.out}")
     summary = {"out": str(args.out), "states": mdp.n_states, "iterations": run.iterations,
                "region_sizes": run.region_sizes, "region_monotone": run.region_monotone,
                "train_s": about["train_s"]}  # fmt: skip

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -78,9 +79,30 @@ def run(
         kind = type(broker).__name__
         demo = _demo(
             cfg, broker_addr=(broker.host, broker.port), broker_kind=kind, out=out,
-            png=Path(png).resolve(), slow_s=slow_s,
+            png=Path(png).resolve(), slow_s=slow_s, kept=bool(keep),
         )  # fmt: skip
         return asyncio.run(demo)
+
+
+def write_scrape_config(out: Path, port: int) -> Path:
+    """``out/prometheus.yml``: a Prometheus scraping the demo's daemon every 5 s as the
+    scrape job ``tmd`` (the one deploy/prometheus/tmd-rules.yml and the dashboard read),
+    and loading those rules, copied beside it, where this is a checkout that has them."""
+    rules = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "tmd-rules.yml"
+    loaded = ""
+    if rules.is_file():
+        shutil.copyfile(rules, out / rules.name)
+        loaded = f"rule_files:\n  - {rules.name}\n"
+    path = out / "prometheus.yml"
+    path.write_text(
+        "# tmd demo: point a Prometheus here (prometheus --config.file=THIS), open the\n"
+        "# dashboard deploy/grafana/tmd.json on it. The daemon lives as long as the demo.\n"
+        "global:\n  scrape_interval: 5s\n  evaluation_interval: 5s\n"
+        f"{loaded}"
+        "scrape_configs:\n  - job_name: tmd\n    metrics_path: /metrics\n"
+        f'    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
+    )
+    return path
 
 
 def _say(text: str) -> None:
@@ -103,6 +125,7 @@ async def _demo(
     out: Path,
     png: Path,
     slow_s: float,
+    kept: bool = False,
 ) -> int:
     from tmd.runtime.launch import LocalJob
 
@@ -114,6 +137,10 @@ async def _demo(
     api = f"http://127.0.0.1:{daemon.api.port}"
     _say(f"tmd demo: broker {broker_kind} on {host}:{port}; daemon API {api}")
     _say(f"  (in another shell: tmd status --api {api}   tmd events --api {api})")
+    if kept and daemon.api.port is not None:
+        scrape = write_scrape_config(out, daemon.api.port)
+        _say(f"  (Prometheus: prometheus --config.file={scrape}, then import "
+             "deploy/grafana/tmd.json into Grafana)")  # fmt: skip
     _say(
         f"  starting a {NPROC}-rank training job on {NPROC // PER_NODE} machines of {PER_NODE} "
         f"ranks, and 1 standby machine of {PER_NODE} slots; from step {SLOW_FROM}, GPU 1 of "
