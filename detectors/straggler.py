@@ -46,9 +46,19 @@ slow from the start (a machine that joins slow) or creeps up (a ramp) has no sud
 change: the level path finds it. Whichever fires first reports.
 
 Findings are per node, carrying the slowdown of the unit that found it. The detector
-reads the cluster view's per-rank step rings on each tick instead of observing every
-telemetry message: ingest already puts each step into the view once. Scoring is the
-pure functions ``thresholds`` and ``score``. Ranks that fall more than
+reads the cluster view on each tick instead of observing every telemetry message:
+ingest already puts each step into the view once, as a row of the job's step columns
+(``JobView.cols``: a column per rank, a row per step). Each new step is read as
+vectors over those columns: every rank's busy time (``step_s - allreduce_s``, as
+``RankState.busy_at`` takes it), its log, their median, each rank's value, and each
+machine's mean and median of its ranks' values (group reductions through a
+rank-to-machine index). A unit's recent values are a row of ring matrices
+(``_Units``), so a step is appended to every unit by a few numpy calls, the change
+path's medians and the levels are sorts along rows, and the quiet units are judged by
+one mask. Per tick, Python reads each rank's node and last step (which no column
+holds), and otherwise looks only at the units that are flagged, hot or near the
+threshold, and at every rank only on a tick where some joined, left or moved. Scoring
+is the pure functions ``thresholds`` and ``score``. Ranks that fall more than
 ``stall_lag_steps`` behind do not hold the others back (``rank_stalled`` reports them).
 """
 
@@ -58,22 +68,37 @@ import bisect
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, Final, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from tmd.daemon import events
-from tmd.daemon.view import JobView
+from tmd.daemon.view import JobView, RankState
 from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+Mask = npt.NDArray[np.bool_]
 
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in sigmas
 SPREAD_EVERY = 8  # steps between two estimates of the peers' spread ...
 SPREAD_POOL = 32  # ... and how many recent estimates its median pools (256 steps)
 CHANGE_POOL = 64  # steps of the machines' change spread the change path pools
 CHANGE_OFF = 100.0  # a change z-score this high turns that change path off (not computed)
+_NO_STEP: Final = -(1 << 63)  # hot_since, calm_since: not hot, not calm
+# A step's durations in ``JobView.cols.timings``, in ``tmd.daemon.columns.TIMING_FIELDS``
+# order (a detector reads the view, not that module): busy = step_s - allreduce_s.
+_STEP_S: Final = 0
+_ALLREDUCE_S: Final = 2
+# A unit above half the threshold whose level, computed with the others at once, is
+# this far below the threshold stays quiet; nearer, ``score`` decides, as for one unit.
+_LEVEL_SLACK: Final = 1e-9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,28 +198,32 @@ def interquartile_mean(values: list[float]) -> float:
 _MAD_SMALL_N = {2: 1.196, 3: 1.495, 4: 1.363, 5: 1.206, 6: 1.200, 7: 1.140, 8: 1.129, 9: 1.107}
 
 
-def _sorted_median(ordered: list[float]) -> float:
-    n = len(ordered)
-    mid = n // 2
-    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def _median(values: F64) -> float:
+    """``np.median`` of a vector (the middle value, or the mean of the middle two),
+    with one partition instead of its two."""
+    half = values.size // 2
+    part = np.partition(values, half)
+    if values.size % 2:
+        return float(part[half])
+    return float((part[:half].max() + part[half]) / 2)
 
 
-def robust_spread(values: list[float]) -> float:
+def robust_spread(values: Sequence[float] | F64) -> float:
     """Standard deviation estimated as 1.4826 x the median absolute deviation, with the
     small-sample correction: the stragglers among the values do not inflate it, and a
     job of three machines does not take its noise for a third of what it is."""
-    n = len(values)
+    v = np.asarray(values, dtype=np.float64)
+    n = v.size
     if n < 2:
         return 0.0
-    center = statistics.median(values)
     small = _MAD_SMALL_N.get(n, n / (n - 0.8))
-    return small * MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
+    return small * MAD_TO_SIGMA * _median(np.abs(v - _median(v)))
 
 
-def thresholds(levels: list[float], spread: float, config: StragglerConfig) -> Threshold:
+def thresholds(levels: Sequence[float] | F64, spread: float, config: StragglerConfig) -> Threshold:
     """The threshold for units whose peers' levels are ``levels`` and whose noise is
     ``spread`` (a standard deviation of levels, in log units)."""
-    center = statistics.median(levels) if levels else 0.0
+    center = _median(np.asarray(levels, dtype=np.float64)) if len(levels) else 0.0
     flag = max(math.log1p(config.min_slowdown), config.min_zscore * spread)
     clear = flag * math.log1p(config.clear_slowdown) / math.log1p(config.min_slowdown)
     return Threshold(center, flag, clear)
@@ -225,25 +254,22 @@ def score(window: Iterable[tuple[int, float]], threshold: Threshold) -> Score:
 
 
 Key = int | str  # a rank, or a machine by its node name
-K = TypeVar("K", int, str)
+A = TypeVar("A", bound=npt.NDArray[Any])
 
 
 @dataclass
 class _Unit:
-    """A rank, or a machine (the mean of its ranks): what is compared with its peers."""
+    """One unit's change path as plain Python, the way the detector kept it per unit
+    before ``_Units`` (the unit tests still exercise it): the reference for what
+    ``_Units`` keeps for all units at once, where ``recent`` and ``before`` are
+    ``steps`` here split at the last ``recent`` values, and a row of ``before`` is
+    sorted only when its median is taken."""
 
     node: str
     window: deque[tuple[int, float]]  # (step, log of busy over the step's median)
-    members: tuple[int, ...] = ()  # a machine's ranks behind its values
-    flagged: bool = False
-    hot_since: int | None = None  # not flagged, and above the flag level since this step
-    calm_since: int | None = None  # flagged, and below the clear level since this step
-    # The change path (machines): each step's median over the machine's ranks, and how
-    # many steps in a row its change stood out, with the last change (log units).
     steps: deque[tuple[int, float]] = field(default_factory=deque)
     before: list[float] = field(default_factory=list)  # the steps' older part, sorted
     changed_for: int = 0
-    change: float = 0.0
 
     def push(self, step: int, value: float, recent: int) -> None:
         """Add a step to the change path's ring; ``before`` keeps the values older than
@@ -262,10 +288,250 @@ class _Unit:
         self.changed_for = 0
 
 
+def _grown(a: A, capacity: int, fill: float) -> A:
+    out = np.full((capacity, *a.shape[1:]), fill, a.dtype)
+    out[: a.shape[0]] = a
+    return cast(A, out)
+
+
+Rows = I64 | slice  # some units by slot, ascending; or slice(0, n): all, without a gather
+
+
+def _flat(a: A) -> A:
+    """A view of ``a`` (C-contiguous) as one vector: ``a[rows, cols]`` as one index
+    ``rows * width + cols`` costs about half."""
+    return cast(A, a.reshape(-1))
+
+
+def _same(values: I64) -> int | None:
+    """The value all of ``values`` share, if they do."""
+    if values.size and values[0] == values[-1] and (values == values[0]).all():
+        return int(values[0])
+    return None
+
+
+class _Units:
+    """A job's units of one kind, its ranks or its machines, a slot each for good (the
+    arrays line up with ``keys``). A unit's history is rows of ring matrices: entry
+    ``i`` since its history (re)started sits in column ``i % width`` of its row, so a
+    step is appended to every unit that has it by one scatter per ring (one column,
+    where all are as far along), and what the judging reads (the last value, a level,
+    the change path's medians) is a reduction along rows. Rings are by entry, not by
+    step: a unit that missed a step (a lost message) keeps its last ``window`` values,
+    as a deque would."""
+
+    def __init__(self, config: StragglerConfig, *, change: bool) -> None:
+        self.window = config.window_steps
+        self.need = config.change_steps + config.change_base_steps  # entries to judge a change
+        self.span = max(self.window, self.need)  # entries whose step is kept
+        self.change_on = change
+        self.keys: list[Key] = []
+        self.slot: dict[Key, int] = {}
+        self.node: list[str] = []
+        self.members: list[tuple[int, ...]] = []  # a machine's ranks behind its values
+        self.n = 0
+        self.births = 0  # units that have had a value
+        widths = (config.change_steps, config.change_base_steps) if change else (0, 0)
+        self.count: I64 = np.zeros(0, np.int64)  # entries since its history (re)started
+        self.last: I64 = np.zeros(0, np.int64)  # the step of its last entry
+        self.steps: I64 = np.zeros((0, self.span), np.int64)
+        self.level: F64 = np.zeros((0, self.window))  # what the level path reads
+        # The change path: its last ``change_steps`` entries, and the
+        # ``change_base_steps`` before them (a ring each, so neither needs a gather).
+        self.recent: F64 = np.zeros((0, widths[0]))
+        self.before: F64 = np.zeros((0, widths[1]))
+        self.changed_for: I64 = np.zeros(0, np.int64)
+        self.change: F64 = np.zeros(0)
+        self.flagged: Mask = np.zeros(0, np.bool_)
+        self.hot_since: I64 = np.zeros(0, np.int64)  # not flagged, above the flag level since
+        self.calm_since: I64 = np.zeros(0, np.int64)  # flagged, below the clear level since
+        self.touched: Mask = np.zeros(0, np.bool_)  # got a value this tick
+        self.born: I64 = np.zeros(0, np.int64)  # the order of first values (-1: none yet)
+        self.sizes: I64 = np.zeros(0, np.int64)  # len(members)
+        self.members_ok: Mask = np.zeros(0, np.bool_)  # members are where the view places
+        # Where rows are sorted: reused, as a fresh one per step costs its page faults.
+        self._scratch: F64 = np.zeros(0)
+
+    def add(self, key: Key, node: str) -> int:
+        if self.n == self.count.shape[0]:
+            self._grow(max(8, 2 * self.n))
+        slot = self.n
+        self.n += 1
+        self.keys.append(key)
+        self.slot[key] = slot
+        self.node.append(node)
+        self.members.append(())
+        return slot
+
+    def _grow(self, capacity: int) -> None:
+        self.count = _grown(self.count, capacity, 0)
+        self.last = _grown(self.last, capacity, -1)
+        self.steps = _grown(self.steps, capacity, -1)
+        self.level = _grown(self.level, capacity, 0.0)
+        self.recent = _grown(self.recent, capacity, 0.0)
+        self.before = _grown(self.before, capacity, 0.0)
+        self.changed_for = _grown(self.changed_for, capacity, 0)
+        self.change = _grown(self.change, capacity, 0.0)
+        self.flagged = _grown(self.flagged, capacity, False)
+        self.hot_since = _grown(self.hot_since, capacity, _NO_STEP)
+        self.calm_since = _grown(self.calm_since, capacity, _NO_STEP)
+        self.touched = _grown(self.touched, capacity, False)
+        self.born = _grown(self.born, capacity, -1)
+        self.sizes = _grown(self.sizes, capacity, 0)
+        self.members_ok = _grown(self.members_ok, capacity, False)
+
+    def rows(self, slots: I64) -> Rows:
+        """``slots`` (ascending) as an index."""
+        return slice(0, self.n) if slots.size == self.n else slots
+
+    def push(self, rows: Rows, step: int, values: F64, medians: F64 | None) -> None:
+        """Append ``step`` to the units ``rows``: ``values`` to the level path's ring,
+        ``medians`` (with the change path) to ``recent``, whose oldest moves on to
+        ``before`` over the oldest there."""
+        at = self.count[rows]
+        k = _same(at)
+        if k is None:  # some missed a step or started later: a column each
+            if isinstance(rows, slice):
+                rows = np.arange(self.n)
+            self._push_at(rows, at, step, values, medians)
+        else:  # all as far along: one column of each ring
+            self.steps[rows, k % self.span] = step
+            self.level[rows, k % self.window] = values
+            if medians is not None:
+                r, b = self.recent.shape[1], self.before.shape[1]
+                if k >= r:
+                    self.before[rows, (k - r) % b] = self.recent[rows, k % r]
+                self.recent[rows, k % r] = medians
+        self.count[rows] = at + 1
+        self.last[rows] = step
+
+    def _push_at(self, rows: I64, at: I64, step: int, values: F64, medians: F64 | None) -> None:
+        _flat(self.steps)[rows * self.span + at % self.span] = step
+        _flat(self.level)[rows * self.window + at % self.window] = values
+        if medians is not None:
+            r, b = self.recent.shape[1], self.before.shape[1]
+            old = at >= r
+            moving, k = rows[old], at[old]
+            _flat(self.before)[moving * b + (k - r) % b] = _flat(self.recent)[moving * r + k % r]
+            _flat(self.recent)[rows * r + at % r] = medians
+
+    def last_values(self, rows: Rows) -> F64:
+        """The level path's last value of the units ``rows`` (meaningless where none)."""
+        at = self.count[rows] - 1
+        k = _same(at)
+        if k is not None:
+            return self.level[rows, k % self.window]
+        if isinstance(rows, slice):
+            rows = np.arange(self.n)
+        out: F64 = _flat(self.level)[rows * self.window + at % self.window]
+        return out
+
+    def sorted_rows(self, a: F64, rows: Rows) -> F64:
+        """Rows ``rows`` of ``a``, each sorted: for all of them, in the scratch buffer
+        (valid until the next call), where a fresh one would cost its page faults on
+        every step."""
+        if isinstance(rows, slice):
+            size = self.n * a.shape[1]
+            if self._scratch.size < size:
+                self._scratch = np.empty(max(size, 2 * self._scratch.size))
+            out = self._scratch[:size].reshape(self.n, a.shape[1])
+            np.copyto(out, a[rows])
+        else:
+            out = a[rows]
+        out.sort(axis=1)
+        return out
+
+    def restart(self, slot: int) -> None:
+        """Its history is another's from here: drop it (not its flag)."""
+        self.count[slot] = 0
+        self.last[slot] = -1
+        self.changed_for[slot] = 0
+        self.hot_since[slot] = _NO_STEP
+
+    def forget(self, slot: int) -> None:
+        """As if it had never been: the state of a new unit."""
+        self.restart(slot)
+        self.flagged[slot] = False
+        self.calm_since[slot] = _NO_STEP
+        self.change[slot] = 0.0
+        self.members[slot] = ()
+        self.sizes[slot] = 0
+        self.members_ok[slot] = False
+
+    def window_of(self, slot: int) -> list[tuple[int, float]]:
+        """Its last ``window`` entries as ``(step, value)``, oldest first."""
+        count, w = int(self.count[slot]), self.window
+        steps, level = self.steps[slot], self.level[slot]
+        return [(int(steps[i % self.span]), float(level[i % w])) for i in range(count - w, count)]
+
+    def step_back(self, slot: int, k: int) -> int:
+        """The step of its ``k``-th last entry (``k`` <= ``need``)."""
+        return int(self.steps[slot, (int(self.count[slot]) - k) % self.span])
+
+
+def _row_medians(rows: F64) -> F64:
+    """The median of each row: its middle value, or the mean of the middle two. Rows
+    of four (``change_steps``' default) by comparisons, which cost less than a sort
+    per row; ``sorted_rows`` passes rows already sorted."""
+    width = rows.shape[1]
+    if width == 4:
+        a, b, c, d = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+        # Neither the least nor the greatest of the four: the larger of the pairs'
+        # minimums and the smaller of their maximums.
+        inner = np.maximum(np.minimum(a, b), np.minimum(c, d))
+        inner += np.minimum(np.maximum(a, b), np.maximum(c, d))
+        out: F64 = inner / 2
+        return out
+    ordered = np.sort(rows, axis=1)
+    return _sorted_row_medians(ordered)
+
+
+def _sorted_row_medians(ordered: F64) -> F64:
+    mid = ordered.shape[1] // 2
+    if ordered.shape[1] % 2:
+        return ordered[:, mid].copy()
+    out: F64 = (ordered[:, mid - 1] + ordered[:, mid]) / 2
+    return out
+
+
+def _interquartile_means(ordered: F64) -> F64:
+    """``interquartile_mean`` of each row of ``ordered`` (sorted rows), summed left to
+    right as it sums."""
+    k = ordered.shape[1] // 4
+    middle = ordered[:, k : ordered.shape[1] - k]
+    total = middle[:, 0].copy()
+    for j in range(1, middle.shape[1]):
+        total += middle[:, j]
+    out: F64 = total / middle.shape[1]
+    return out
+
+
+def _group_medians(
+    groups: I64, place: I64, values: F64, counts: I64, present: I64, width: int
+) -> F64:
+    """The median of ``values`` in each group of ``present`` (``groups``: each value's
+    group, ``place``: its place among the group's members, at most ``width``;
+    ``counts``: values per group), as ``_row_medians`` takes it."""
+    k = counts[present]
+    if counts.size * width <= 4 * values.size + 1024:
+        # A row per group, padded past its values: one short sort per row.
+        table = np.full((counts.size, width), np.inf)
+        table[groups, place] = values
+        table = np.sort(table[present], axis=1)
+        rows = np.arange(present.size)
+        low, high = table[rows, (k - 1) // 2], table[rows, k // 2]
+    else:  # a few machines hold most ranks: sort by group, then by value
+        ordered = values[np.lexsort((values, groups))]
+        start = (np.cumsum(counts) - counts)[present]
+        low, high = ordered[start + (k - 1) // 2], ordered[start + k // 2]
+    out: F64 = (low + high) / 2
+    return out
+
+
 @dataclass
 class _Job:
-    ranks: dict[int, _Unit] = field(default_factory=dict)
-    machines: dict[str, _Unit] = field(default_factory=dict)
+    ranks: _Units
+    machines: _Units
     frontier: int = -1  # every step up to here has been scored
     flagged_nodes: dict[str, set[Key]] = field(default_factory=dict)
     rank_threshold: Threshold | None = None
@@ -276,6 +542,17 @@ class _Job:
     )
     change_spreads: deque[float] = field(default_factory=lambda: deque(maxlen=CHANGE_POOL))
     rank_change_spreads: deque[float] = field(default_factory=lambda: deque(maxlen=CHANGE_POOL))
+    # The view's ranks as last seen (``_sync``), and what was derived from them: the
+    # rank slot of each of the view's columns, each rank's machine and place on it.
+    states: list[RankState] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    placed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node -> its ranks
+    col_slot: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    in_order: bool = True  # col_slot ascending over the columns in use
+    rank_machine: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    rank_place: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    width: int = 1  # the most ranks on one machine
+    singletons: bool = True  # one rank per machine: the ranks say it all
 
 
 class StragglerDetector(Detector):
@@ -289,98 +566,178 @@ class StragglerDetector(Detector):
         self.jobs: dict[str, _Job] = {}
 
     def tick(self, now: float) -> Iterable[events.Event]:
+        cfg = self.config
         view_jobs = self.context.view.jobs
         for name in [n for n in self.jobs if n not in view_jobs]:
             del self.jobs[name]  # the view forgot it
         for name, vjob in view_jobs.items():
             job = self.jobs.get(name)
             if job is None:
-                job = self.jobs[name] = _Job()
+                job = self.jobs[name] = _Job(
+                    _Units(cfg, change=cfg.rank_change_zscore < CHANGE_OFF),
+                    _Units(cfg, change=cfg.change_zscore < CHANGE_OFF),
+                )
             yield from self._advance(name, vjob, job, now)
 
     def _advance(self, name: str, vjob: JobView, job: _Job, now: float) -> Iterator[events.Event]:
         cfg = self.config
-        ranks = vjob.ranks
-        if not ranks:
+        if not vjob.ranks or vjob.cols is None:
             return
-        yield from self._follow_moves(name, vjob, job, now)
-        front = max(r.last_step for r in ranks.values())
-        ready = min(
-            r.last_step for r in ranks.values() if r.last_step >= front - cfg.stall_lag_steps
-        )
-        # The rings hold the last `window` steps of each rank; older ones are gone.
-        oldest = front - min(r.window for r in ranks.values()) + 1
-        touched: set[Key] = set()
+        states = list(vjob.ranks.values())
+        yield from self._sync(name, vjob, job, states, now)
+        # Each rank's last step: a read of every state (some 10 ms at 131,072 ranks, as
+        # is the read of their nodes in ``_sync``), which no column holds.
+        steps = np.fromiter([s.last_step for s in states], np.int64, len(states))
+        front = int(steps.max())
+        ready = int(steps[steps >= front - cfg.stall_lag_steps].min())
+        # The columns hold the last `window` steps of each rank; older ones are gone.
+        oldest = front - vjob.cols.window + 1
+        ranks, machines = job.ranks, job.machines
+        ranks.touched[:] = False
+        machines.touched[:] = False
+        for step in range(max(job.frontier + 1, oldest), ready + 1):
+            self._add_step(vjob, job, step)
+        job.frontier = max(job.frontier, ready)
+        stale = job.frontier - job.spread_step >= SPREAD_EVERY or job.rank_threshold is None
+        if stale and ranks.touched.any():
+            self._estimate(job)
+        # Where a rank and its machine find the node in one tick, the first reports it:
+        # the ranks by number, then the machines (mostly how a set of both iterated).
+        yield from self._judge_all(name, job, ranks, job.rank_threshold, now)
+        yield from self._judge_all(name, job, machines, job.machine_threshold, now)
+
+    def _sync(
+        self, name: str, vjob: JobView, job: _Job, states: list[RankState], now: float
+    ) -> Iterator[events.Event]:
+        """Follow the view's ranks where they changed since the last tick: joined, left,
+        or moved to another machine (``_moved``). Python over every rank then; a read of
+        their nodes and two list comparisons on a tick where nothing changed."""
+        nodes = [s.node for s in states]
+        if states == job.states and nodes == job.nodes:
+            return
+        ranks = job.ranks
+        moved: list[tuple[int, str]] = []
+        for state in states:
+            slot = ranks.slot.get(state.rank)
+            if slot is None:
+                ranks.add(state.rank, state.node)
+            elif ranks.node[slot] != state.node:
+                if ranks.born[slot] >= 0:
+                    moved.append((slot, state.node))
+                else:  # no history yet: nothing was the old machine's
+                    ranks.node[slot] = state.node
+        # In the order the ranks' histories began.
+        for slot, node in sorted(moved, key=lambda m: int(ranks.born[m[0]])):
+            yield from self._moved(name, job, slot, node, now)
         # A machine's ranks as the view places them, not as a step's reports happen to
         # show them: a lost telemetry message must not restart its history.
         placed: dict[str, list[int]] = {}
-        for r, state in ranks.items():
-            placed.setdefault(state.node, []).append(r)
-        machines = {node: tuple(sorted(rs)) for node, rs in placed.items()}
-        for step in range(max(job.frontier + 1, oldest), ready + 1):
-            self._add_step(vjob, job, step, machines, touched)
-        job.frontier = max(job.frontier, ready)
-        stale = job.frontier - job.spread_step >= SPREAD_EVERY or job.rank_threshold is None
-        if touched and stale:
-            self._estimate(job)
-        for key in touched:
-            yield from self._judge(name, job, key, now)
+        for state in states:
+            placed.setdefault(state.node, []).append(state.rank)
+        job.placed = {node: tuple(sorted(rs)) for node, rs in placed.items()}
+        job.width = max(len(rs) for rs in job.placed.values())
+        job.singletons = job.width == 1
+        if not job.singletons:  # else the machines are never judged: no slots for them
+            self._place(job)
+        cols = vjob.cols
+        assert cols is not None
+        job.col_slot = np.full(cols.n, -1, np.int64)
+        on = np.fromiter([s.col for s in states], np.int64, len(states))
+        job.col_slot[on] = np.fromiter([ranks.slot[s.rank] for s in states], np.int64, on.size)
+        used = job.col_slot[job.col_slot >= 0]
+        job.in_order = bool((used[1:] > used[:-1]).all())
+        job.states, job.nodes = states, nodes
 
-    def _add_step(
-        self,
-        vjob: JobView,
-        job: _Job,
-        step: int,
-        machines: dict[str, tuple[int, ...]],
-        touched: set[Key],
-    ) -> None:
+    def _place(self, job: _Job) -> None:
+        """Each rank's machine slot and place among its ranks, as ``job.placed`` has
+        them, and which machines' histories are still of the ranks placed on them."""
+        ranks, machines = job.ranks, job.machines
+        slots: list[int] = []
+        for node in job.placed:
+            slot = machines.slot.get(node)
+            slots.append(machines.add(node, node) if slot is None else slot)
+        sizes = np.fromiter(map(len, job.placed.values()), np.int64, len(slots))
+        members = [ranks.slot[r] for rs in job.placed.values() for r in rs]
+        job.rank_machine = np.zeros(ranks.n, np.int64)
+        job.rank_place = np.zeros(ranks.n, np.int64)
+        job.rank_machine[members] = np.repeat(slots, sizes)
+        job.rank_place[members] = np.arange(len(members)) - np.repeat(
+            np.cumsum(sizes) - sizes, sizes
+        )
+        for m, node in enumerate(machines.node):
+            machines.members_ok[m] = machines.members[m] == job.placed.get(node, ())
+
+    def _moved(
+        self, name: str, job: _Job, slot: int, node: str, now: float
+    ) -> Iterator[events.Event]:
+        """A rank now on another machine (a migration): its history and its flag were
+        the old machine's, and so was the old machine's mean."""
+        ranks, machines = job.ranks, job.machines
+        yield from self._unflag(name, job, ranks, slot, now, "rank moved away")
+        old = machines.slot.get(ranks.node[slot])
+        if old is not None:
+            why = f"rank {ranks.keys[slot]} moved away"
+            yield from self._unflag(name, job, machines, old, now, why)
+            machines.forget(old)
+        ranks.node[slot] = node
+        ranks.restart(slot)
+
+    def _add_step(self, vjob: JobView, job: _Job, step: int) -> None:
         """Append every rank's and every machine's value for ``step``; a machine's is
-        the mean over those of its ranks (``machines``) that reported the step."""
+        the mean over those of its ranks (``job.placed``) that reported the step."""
         cfg = self.config
-        ranks_change = cfg.rank_change_zscore < CHANGE_OFF
-        logs: dict[int, float] = {}
-        for r, state in vjob.ranks.items():
-            busy = state.busy_at(step)
-            if busy is not None and busy > 0:
-                logs[r] = math.log(busy)
-        if len(logs) < cfg.min_ranks:
+        cols = vjob.cols
+        assert cols is not None
+        row, n = step % cols.window, cols.n
+        # As RankState.busy_at: the difference in float32, widened.
+        timings = cols.timings
+        busy = (timings[_STEP_S, row, :n] - timings[_ALLREDUCE_S, row, :n]).astype(np.float64)
+        at = np.flatnonzero((cols.step[row, :n] == step) & (busy > 0))
+        if at.size < cfg.min_ranks:
             return
-        median = _sorted_median(sorted(logs.values()))
-        by_node: dict[str, list[tuple[int, float]]] = {}
-        for r, v in logs.items():
-            unit = job.ranks.get(r)
-            if unit is None:
-                unit = job.ranks[r] = _Unit(vjob.ranks[r].node, deque(maxlen=cfg.window_steps))
-                unit.steps = deque(maxlen=cfg.change_base_steps + cfg.change_steps)
-            unit.window.append((step, v - median))
-            if ranks_change:
-                unit.push(step, v - median, cfg.change_steps)
-            touched.add(r)
-            by_node.setdefault(unit.node, []).append((r, v - median))
-        if ranks_change:
-            self._changes(job.ranks, job.rank_change_spreads, step, cfg.rank_change_zscore)
-        if len(by_node) < cfg.min_ranks or all(len(m) == 1 for m in machines.values()):
-            return  # too few machines to compare, or one rank each: the ranks say it all
-        for node, values in by_node.items():
-            unit = job.machines.get(node)
-            if unit is None:
-                unit = job.machines[node] = _Unit(node, deque(maxlen=cfg.window_steps))
-                unit.steps = deque(maxlen=cfg.change_base_steps + cfg.change_steps)
-            members = machines.get(node, ())
-            if members != unit.members:
-                # Other ranks placed on it: its history is another machine's.
-                unit.window.clear()
-                unit.forget()
-                unit.members, unit.hot_since = members, None
-            unit.window.append((step, sum(v for _, v in values) / len(values)))
-            unit.push(step, _sorted_median(sorted(v for _, v in values)), cfg.change_steps)
-            touched.add(node)
-        if cfg.change_zscore < CHANGE_OFF:
-            self._changes(job.machines, job.change_spreads, step, cfg.change_zscore)
+        logs = np.log(busy if at.size == n else busy[at])
+        values = logs - _median(logs)
+        ranks = job.ranks
+        slots = job.col_slot[at]
+        if not job.in_order:  # a column given back and taken again: slots ascending
+            order = np.argsort(slots)
+            slots, values = slots[order], values[order]
+        rows = ranks.rows(slots)
+        if ranks.births < ranks.n:  # some have had no value yet
+            new = slots[ranks.born[rows] < 0]
+            ranks.born[new] = np.arange(ranks.births, ranks.births + new.size)
+            ranks.births += new.size
+        ranks.push(rows, step, values, values if ranks.change_on else None)
+        ranks.touched[rows] = True
+        if ranks.change_on:
+            self._changes(ranks, job.rank_change_spreads, step, cfg.rank_change_zscore)
+        if job.singletons:
+            return  # one rank each: the ranks say it all
+        machines = job.machines
+        groups = job.rank_machine[rows]
+        counts = np.bincount(groups, minlength=machines.n)
+        present = np.flatnonzero(counts)
+        if present.size < cfg.min_ranks:
+            return  # too few machines to compare
+        for m in present[~machines.members_ok[present]].tolist():
+            # Other ranks placed on it: its history is another machine's.
+            machines.restart(m)
+            machines.members[m] = job.placed.get(machines.node[m], ())
+            machines.sizes[m] = len(machines.members[m])
+            machines.members_ok[m] = True
+        means = np.bincount(groups, weights=values, minlength=machines.n)[present] / counts[present]
+        medians = None
+        if machines.change_on:  # the change path's per-step value: one rank's spike moves it not
+            medians = _group_medians(
+                groups, job.rank_place[rows], values, counts, present, job.width
+            )
+        m_rows = machines.rows(present)
+        machines.push(m_rows, step, means, medians)
+        machines.touched[m_rows] = True
+        if machines.change_on:
+            self._changes(machines, job.change_spreads, step, cfg.change_zscore)
 
-    def _changes(
-        self, units: Mapping[K, _Unit], spreads: deque[float], step: int, zscore: float
-    ) -> None:
+    def _changes(self, units: _Units, spreads: deque[float], step: int, zscore: float) -> None:
         """The change path, at ``step``: each machine's change, the median of its last
         ``change_steps`` per-step medians less the median of the ``change_base_steps``
         before them, against its peers' changes at the same step. A machine compared
@@ -390,142 +747,161 @@ class StragglerDetector(Detector):
         for every rank against the other ranks (``units``: the job's machines or its
         ranks; ``spreads``: their pool of spreads)."""
         cfg = self.config
-        need = cfg.change_base_steps + cfg.change_steps
-        changes: dict[K, float] = {}
-        for key, unit in units.items():
-            steps = unit.steps
-            if len(steps) < need or steps[-1][0] != step:
-                unit.changed_for = 0
-                continue
-            recent = _sorted_median(sorted(steps[-i][1] for i in range(1, cfg.change_steps + 1)))
-            changes[key] = recent - _sorted_median(unit.before)
-        if len(changes) < cfg.min_ranks:
+        n = units.n
+        judged = (units.count[:n] >= units.need) & (units.last[:n] == step)
+        units.changed_for[:n][~judged] = 0
+        idx = np.flatnonzero(judged)
+        if idx.size < cfg.min_ranks:
             return
-        center = _sorted_median(sorted(changes.values()))
-        spreads.append(robust_spread(list(changes.values())))
+        rows = units.rows(idx)
+        recent = _row_medians(units.recent[rows])
+        changes = recent - _sorted_row_medians(units.sorted_rows(units.before, rows))
+        center = _median(changes)
+        spreads.append(robust_spread(changes))
         if len(spreads) < CHANGE_POOL:
             return  # the peers' changes are not known well enough yet
         bar = max(math.log1p(cfg.min_slowdown), zscore * statistics.median(spreads))
-        for key, change in changes.items():
-            unit = units[key]
-            above = change - center
-            unit.changed_for = unit.changed_for + 1 if above > bar else 0
-            unit.change = above
+        above = changes - center
+        units.changed_for[rows] = np.where(above > bar, units.changed_for[rows] + 1, 0)
+        units.change[rows] = above
 
     def _estimate(self, job: _Job) -> None:
         """Thresholds from the peers' current levels and their spread, pooled over the
         recent estimates: one estimate comes from the units' current excursions, and
         ranks that drift slowly keep them for dozens of steps."""
         cfg = self.config
-        full = [u for u in job.ranks.values() if len(u.window) == cfg.window_steps]
-        levels = [interquartile_mean([v for _, v in u.window]) for u in full]
-        if len(levels) < cfg.min_ranks:
+        ranks, machines = job.ranks, job.machines
+        full = np.flatnonzero(ranks.count[: ranks.n] >= cfg.window_steps)
+        if full.size < cfg.min_ranks:
             return  # too few to tell what the peers' noise is: wait for more history
-        machines = [u for u in job.machines.values() if len(u.window) == cfg.window_steps]
-        m_levels = [interquartile_mean([v for _, v in u.window]) for u in machines]
-        enough = len(m_levels) >= cfg.min_ranks
+        levels = _interquartile_means(ranks.sorted_rows(ranks.level, ranks.rows(full)))
+        m_full = np.flatnonzero(machines.count[: machines.n] >= cfg.window_steps)
+        m_rows = machines.rows(m_full)
+        m_levels = _interquartile_means(machines.sorted_rows(machines.level, m_rows))
+        enough = m_levels.size >= cfg.min_ranks
         job.spreads.append((robust_spread(levels), robust_spread(m_levels) if enough else None))
         spread = statistics.median(r for r, _ in job.spreads)
         job.rank_threshold = thresholds(levels, spread, cfg)
         if enough:
-            per_machine = sum(len(u.members) for u in machines) / len(machines)
+            per_machine = int(machines.sizes[m_rows].sum()) / m_full.size
             m_spread = statistics.median(m for _, m in job.spreads if m is not None)
             m_spread = max(m_spread, spread / math.sqrt(per_machine))
             job.machine_threshold = thresholds(m_levels, m_spread, cfg)
         job.spread_step = job.frontier
 
-    def _follow_moves(
-        self, name: str, vjob: JobView, job: _Job, now: float
+    def _judge_all(
+        self, name: str, job: _Job, units: _Units, th: Threshold | None, now: float
     ) -> Iterator[events.Event]:
-        """A rank now on another machine (a migration): its history and its flag were
-        the old machine's, and so was the old machine's mean."""
-        for r, unit in job.ranks.items():
-            state = vjob.ranks.get(r)
-            if state is not None and state.node != unit.node:
-                yield from self._unflag(name, job, r, unit, now, "rank moved away")
-                old = job.machines.pop(unit.node, None)
-                if old is not None:
-                    yield from self._unflag(name, job, unit.node, old, now, f"rank {r} moved away")
-                unit.node = state.node
-                unit.window.clear()
-                unit.forget()
-                unit.hot_since = None
-
-    def _unit(self, job: _Job, key: Key) -> _Unit:
-        return job.ranks[key] if isinstance(key, int) else job.machines[key]
-
-    def _judge(self, name: str, job: _Job, key: Key, now: float) -> Iterator[events.Event]:
+        """Judge the units that got a value this tick. The common case, a healthy step
+        of a healthy unit (quiet: its last value within half the threshold, neither
+        flagged nor hot), is settled by a mask; so is a unit above that whose level is
+        still short of the threshold. ``_judge`` takes the rest, one by one."""
         cfg = self.config
-        unit = self._unit(job, key)
+        idx = np.flatnonzero(units.touched[: units.n])
+        if idx.size == 0:
+            return
+        rows = units.rows(idx)
+        persist = (
+            cfg.change_persist_steps if units is job.machines else cfg.rank_change_persist_steps
+        )
+        flagged = units.flagged[rows]
+        look = ~flagged & (units.changed_for[rows] >= persist)
+        if th is not None:
+            full = units.count[rows] >= cfg.window_steps
+            busy = full & (flagged | (units.hot_since[rows] != _NO_STEP))
+            above = units.last_values(rows) - th.center > th.flag / 2
+            loud = full & ~busy & ~look & above
+            look |= busy
+            if loud.any():
+                near = idx[loud]
+                ordered = np.sort(units.level[near] - th.center, axis=1)
+                level = _interquartile_means(ordered)
+                look[np.flatnonzero(loud)[level >= th.flag - _LEVEL_SLACK]] = True
+        for slot in sorted(idx[look].tolist(), key=units.keys.__getitem__):
+            yield from self._judge(name, job, units, slot, th, now)
+
+    def _judge(
+        self, name: str, job: _Job, units: _Units, slot: int, th: Threshold | None, now: float
+    ) -> Iterator[events.Event]:
+        cfg = self.config
+        key = units.keys[slot]
         persist = (cfg.rank_change_persist_steps if isinstance(key, int)
                    else cfg.change_persist_steps)  # fmt: skip
-        if not unit.flagged and unit.changed_for >= persist:
+        changed_for = int(units.changed_for[slot])
+        if not units.flagged[slot] and changed_for >= persist:
             what = f"rank {key}" if isinstance(key, int) else "its ranks' median"
+            change = float(units.change[slot])
             # Many steps may have come in one tick: the run can be longer than the ring.
-            since = unit.steps[-min(unit.changed_for, len(unit.steps))][0]
-            yield from self._flag(name, job, key, unit, now, slowdown=math.expm1(unit.change),
+            since = units.step_back(slot, min(changed_for, int(units.count[slot]), units.need))
+            yield from self._flag(name, job, units, slot, now, slowdown=math.expm1(change),
                                   confidence=1.0, since=since,
-                                  detail=f"{what}: busy {math.expm1(unit.change):+.1%} over "
+                                  detail=f"{what}: busy {math.expm1(change):+.1%} over "
                                   f"its own last {cfg.change_base_steps} steps, against its "
                                   "peers, from a sudden change")  # fmt: skip
             return
-        th = job.rank_threshold if isinstance(key, int) else job.machine_threshold
-        if th is None or len(unit.window) < cfg.window_steps:
+        if th is None or units.count[slot] < cfg.window_steps:
             return  # too little history (a rank that joined late)
-        quiet = unit.window[-1][1] - th.center <= th.flag / 2
-        if quiet and not unit.flagged and unit.hot_since is None:
-            return  # the common case: a healthy step of a healthy unit, O(1)
-        s = score(unit.window, th)
-        last = unit.window[-1][0]
-        if not unit.flagged:
+        window = units.window_of(slot)
+        flagged, hot_since = bool(units.flagged[slot]), int(units.hot_since[slot])
+        quiet = window[-1][1] - th.center <= th.flag / 2
+        if quiet and not flagged and hot_since == _NO_STEP:
+            return  # the common case: a healthy step of a healthy unit
+        s = score(window, th)
+        last = window[-1][0]
+        if not flagged:
             if s.level < th.flag or s.confidence < cfg.min_confidence:
-                unit.hot_since = None
+                units.hot_since[slot] = _NO_STEP
                 return
-            if unit.hot_since is None:
-                unit.hot_since = last
+            if hot_since == _NO_STEP:
+                hot_since = units.hot_since[slot] = last
             # The farther above the threshold, the rarer a drift that goes there: the
             # wait falls from persist_steps at the threshold to none at twice it.
             wait = cfg.persist_steps * max(0.0, 2.0 - s.level / th.flag)
-            if last - unit.hot_since < wait:
+            if last - hot_since < wait:
                 return
             what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
-            yield from self._flag(name, job, key, unit, now, slowdown=s.run_slowdown,
+            yield from self._flag(name, job, units, slot, now, slowdown=s.run_slowdown,
                                   confidence=s.confidence, since=s.since_step,
                                   detail=f"{what}: busy {s.run_slowdown:+.1%} vs the median "
                                   f"since step {s.since_step} (threshold "
                                   f"{math.expm1(th.flag):+.1%})")  # fmt: skip
         else:
+            calm_since = int(units.calm_since[slot])
             if s.level >= th.clear:
-                unit.calm_since = None
-            elif unit.calm_since is None:
-                unit.calm_since = last
-            elif last - unit.calm_since >= cfg.clear_steps:
+                units.calm_since[slot] = _NO_STEP
+            elif calm_since == _NO_STEP:
+                units.calm_since[slot] = last
+            elif last - calm_since >= cfg.clear_steps:
                 why = f"busy back to {s.slowdown:+.1%}"
-                yield from self._unflag(name, job, key, unit, now, why)
+                yield from self._unflag(name, job, units, slot, now, why)
 
     def _flag(
-        self, name: str, job: _Job, key: Key, unit: _Unit, now: float, *,
+        self, name: str, job: _Job, units: _Units, slot: int, now: float, *,
         slowdown: float, confidence: float, since: int, detail: str,
     ) -> Iterator[events.Event]:  # fmt: skip
-        unit.flagged, unit.hot_since, unit.calm_since = True, None, None
-        flagged = job.flagged_nodes.setdefault(unit.node, set())
+        units.flagged[slot] = True
+        units.hot_since[slot] = units.calm_since[slot] = _NO_STEP
+        node = units.node[slot]
+        flagged = job.flagged_nodes.setdefault(node, set())
         first = not flagged
-        flagged.add(key)
+        flagged.add(units.keys[slot])
         if first:
             yield events.StragglerFound(
-                ts=now, job=name, node=unit.node, slowdown=round(slowdown, 4),
+                ts=now, job=name, node=node, slowdown=round(slowdown, 4),
                 confidence=round(confidence, 3), since_step=since, detail=detail,
             )  # fmt: skip
 
     def _unflag(
-        self, name: str, job: _Job, key: Key, unit: _Unit, now: float, why: str
+        self, name: str, job: _Job, units: _Units, slot: int, now: float, why: str
     ) -> Iterator[events.Event]:
-        if not unit.flagged:
+        if not units.flagged[slot]:
             return
-        unit.flagged, unit.calm_since = False, None
-        flagged = job.flagged_nodes.get(unit.node, set())
+        units.flagged[slot] = False
+        units.calm_since[slot] = _NO_STEP
+        node, key = units.node[slot], units.keys[slot]
+        flagged = job.flagged_nodes.get(node, set())
         flagged.discard(key)
         if not flagged:
-            job.flagged_nodes.pop(unit.node, None)
+            job.flagged_nodes.pop(node, None)
             what = f"rank {key}" if isinstance(key, int) else "its ranks' mean"
-            yield events.StragglerCleared(ts=now, job=name, node=unit.node, detail=f"{what}: {why}")
+            yield events.StragglerCleared(ts=now, job=name, node=node, detail=f"{what}: {why}")
