@@ -24,7 +24,8 @@ STEP_S, COMPUTE_S, ALLREDUCE_S, OPTIMIZER_S, DATA_S = range(NF)
 class StepColumns:
     """``window`` rows of steps for up to ``capacity`` ranks (it grows on demand)."""
 
-    __slots__ = ("end_ts", "free", "n", "rank", "step", "timings", "window")
+    __slots__ = ("end_ts", "free", "n", "rank", "step", "timings", "w_end_ts", "w_step",
+                 "w_timings", "window")  # fmt: skip
 
     def __init__(self, window: int, capacity: int = 8) -> None:
         self.window = window
@@ -35,6 +36,18 @@ class StepColumns:
         # float32: a duration to 7 digits is plenty, and half the memory at 131k ranks.
         self.timings: npt.NDArray[np.float32] = np.zeros((NF, window, capacity), np.float32)
         self.rank: npt.NDArray[np.int64] = np.full(capacity, -1, np.int64)
+        self._writers()
+
+    def _writers(self) -> None:
+        """Memoryviews of the arrays, for the one-element writes of ingest: indexing one
+        costs about half what a numpy scalar assignment does. ``w_timings`` is
+        ``timings`` as ``[NF * window, capacity]``: field ``f`` of row ``r`` is row
+        ``f * window + r``."""
+        window, capacity = self.window, self.capacity
+        self.w_step = self.step.data.cast("B").cast("q", [window, capacity])
+        self.w_end_ts = self.end_ts.data.cast("B").cast("d", [window, capacity])
+        flat = self.timings.reshape(NF * window, capacity)  # a view: the same memory
+        self.w_timings = flat.data.cast("B").cast("f", [NF * window, capacity])
 
     @property
     def capacity(self) -> int:
@@ -69,6 +82,7 @@ class StepColumns:
         rank = np.full(capacity, -1, np.int64)
         rank[:old] = self.rank
         self.step, self.end_ts, self.timings, self.rank = step, end_ts, timings, rank
+        self._writers()
 
     def held(self, step: int) -> npt.NDArray[np.bool_]:
         """Which of the first ``n`` columns hold ``step``."""

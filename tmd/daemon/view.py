@@ -74,19 +74,20 @@ class RankState:
         if step <= self.last_step - self.window:
             self.late += 1
             return "late"
-        cols, col = self.cols, self.col
-        slot = step % self.window
-        if cols.step[slot, col] == step:
+        cols, col, window = self.cols, self.col, self.window
+        slot = step % window
+        steps = cols.w_step
+        if steps[slot, col] == step:
             self.duplicates += 1
             return "duplicate"
-        cols.step[slot, col] = step
-        cols.end_ts[slot, col] = end_ts
-        t = cols.timings
-        t[0, slot, col] = step_s
-        t[1, slot, col] = compute_s
-        t[2, slot, col] = allreduce_s
-        t[3, slot, col] = optimizer_s
-        t[4, slot, col] = data_s
+        steps[slot, col] = step
+        cols.w_end_ts[slot, col] = end_ts
+        t = cols.w_timings  # [field * window + slot, col]
+        t[slot, col] = step_s
+        t[window + slot, col] = compute_s
+        t[2 * window + slot, col] = allreduce_s
+        t[3 * window + slot, col] = optimizer_s
+        t[4 * window + slot, col] = data_s
         if step > self.last_step:
             self.last_step = step
         self.total_steps += 1

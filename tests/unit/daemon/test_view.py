@@ -3,6 +3,7 @@ rank bounds from the job's status; caps on jobs and nodes."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tmd import wire
@@ -423,3 +424,27 @@ def test_a_reader_that_must_change_nothing_gets_the_same_answers() -> None:
     assert (view._faults, view._lost) == noted  # nothing forgotten
     assert view.ready_standbys("j") == ["s0", "s1"]
     assert (view._faults, view._lost) == ({}, {})
+
+
+def test_columns_grow_and_are_given_back_without_losing_steps() -> None:
+    """A job's columns double as ranks join (what was written before stays, what is
+    written after lands in the new arrays), and a rank that leaves frees its column
+    for the next, emptied."""
+    view = ClusterView(window_steps=8)
+    for r in range(20):  # 8 columns at first: grown twice
+        view.apply_iter(batch(r, [1, 2], compute=0.1 * (r % 5)), TS)
+    for r in range(20):
+        view.apply_iter(batch(r, [3], compute=0.1 * (r % 5)), TS)
+    job = view.jobs["j"]
+    assert job.cols is not None and job.cols.capacity == 32
+    for r in (0, 7, 19):
+        assert job.ranks[r].recent("compute_s") == pytest.approx([0.1 * (r % 5)] * 3)
+        assert job.ranks[r].busy_at(3) == pytest.approx(0.6)
+    assert job.cols.held(3).sum() == 20
+    status = wire.JobStatus(ts=TS, job="j", generation=0, world_size=19,
+                            members=[wire.Member(r, f"n{r}") for r in range(19)])  # fmt: skip
+    view.apply_job_status(status, TS)  # rank 19 leaves
+    assert 19 not in job.ranks and job.cols.held(3).sum() == 19
+    view.apply_job_status(msgspec.structs.replace(status, world_size=20), TS)
+    view.apply_iter(batch(19, [3], compute=0.9), TS)  # back, in a fresh column
+    assert job.ranks[19].recent("compute_s") == pytest.approx([0.9])
