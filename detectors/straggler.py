@@ -613,8 +613,10 @@ class StragglerDetector(Detector):
         or moved to another machine (``_moved``). Python over every rank then; a read of
         their nodes and two list comparisons on a tick where nothing changed."""
         nodes = [s.node for s in states]
-        if states == job.states and nodes == job.nodes:
-            return
+        cols = vjob.cols
+        assert cols is not None
+        if states == job.states and nodes == job.nodes and job.col_slot.size == cols.n:
+            return  # (the columns handed out are those mapped: none taken since)
         ranks = job.ranks
         moved: list[tuple[int, str]] = []
         for state in states:
@@ -639,8 +641,6 @@ class StragglerDetector(Detector):
         job.singletons = job.width == 1
         if not job.singletons:  # else the machines are never judged: no slots for them
             self._place(job)
-        cols = vjob.cols
-        assert cols is not None
         job.col_slot = np.full(cols.n, -1, np.int64)
         on = np.fromiter([s.col for s in states], np.int64, len(states))
         job.col_slot[on] = np.fromiter([ranks.slot[s.rank] for s in states], np.int64, on.size)

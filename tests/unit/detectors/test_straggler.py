@@ -279,3 +279,13 @@ def test_the_change_path_s_ring_keeps_its_older_part_sorted() -> None:
         assert unit.before == sorted(values[:-4])
     unit.forget()
     assert not unit.steps and not unit.before and unit.changed_for == 0
+
+
+def test_the_busy_time_fields_are_where_the_view_keeps_them() -> None:
+    """The detector reads busy time from the view's columns by position (it imports the
+    view, not its columns module): those positions must be the columns' own."""
+    from tmd.daemon.columns import TIMING_FIELDS
+    from tmd.detectors import straggler
+
+    assert TIMING_FIELDS.index("step_s") == straggler._STEP_S
+    assert TIMING_FIELDS.index("allreduce_s") == straggler._ALLREDUCE_S
