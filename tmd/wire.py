@@ -138,6 +138,10 @@ class StepTiming(msgspec.Struct, array_like=True, frozen=True):
     data_s: Seconds
 
 
+Row = tuple[int, float, float, float, float, float, float]
+"""A step as ``StepTiming`` orders it: step, end_ts, then the durations."""
+
+
 class IterBatch(Message, kw_only=True, frozen=True):
     """``tmd/v1/job/{job}/rank/{rank}/iter``, QoS 0: the steps since the last batch."""
 
@@ -150,9 +154,11 @@ class IterBatch(Message, kw_only=True, frozen=True):
     """The job's run (``JobStatus.run``: its launcher's restart count) these steps belong
     to; None from a runtime before runs were sent (then the job's status tells)."""
 
+    def rows(self) -> list[Row]:
+        """Its steps as ``Row`` tuples, the form the view takes them in."""
+        return [(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s, s.optimizer_s,
+                 s.data_s) for s in self.steps]  # fmt: skip
 
-Row = tuple[int, float, float, float, float, float, float]
-"""A step as ``StepTiming`` orders it: step, end_ts, then the durations."""
 
 _STEP_FIELDS: Final = ("step", "end_ts", "step_s", "compute_s", "allreduce_s",
                        "optimizer_s", "data_s")  # fmt: skip

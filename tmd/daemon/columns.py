@@ -18,7 +18,6 @@ import numpy.typing as npt
 TIMING_FIELDS: Final = ("step_s", "compute_s", "allreduce_s", "optimizer_s", "data_s")
 """Order of the per-step durations in ``StepColumns.timings``."""
 NF: Final = len(TIMING_FIELDS)
-STEP_S, COMPUTE_S, ALLREDUCE_S, OPTIMIZER_S, DATA_S = range(NF)
 
 
 class StepColumns:
@@ -88,8 +87,3 @@ class StepColumns:
         """Which of the first ``n`` columns hold ``step``."""
         held: npt.NDArray[np.bool_] = self.step[step % self.window, : self.n] == step
         return held
-
-    def row(self, step: int, field: int) -> npt.NDArray[np.float32]:
-        """Field ``field`` of ``step`` in the first ``n`` columns (meaningful where
-        ``held``)."""
-        return self.timings[field, step % self.window, : self.n]

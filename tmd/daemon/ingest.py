@@ -169,8 +169,7 @@ class Ingest:
             self._bus.publish(message)
 
     def _apply_iter(self, batch: wire.IterBatch, now: float) -> None:
-        rows = [(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s, s.optimizer_s,
-                 s.data_s) for s in batch.steps]  # fmt: skip
+        rows = batch.rows()
         applied = self._view.apply_steps(
             batch.job, batch.rank, batch.node, batch.generation, batch.run, rows, now
         )

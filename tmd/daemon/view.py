@@ -223,11 +223,8 @@ class ClusterView:
 
     def apply_iter(self, batch: wire.IterBatch, now: float) -> StepsApplied:
         return self.apply_steps(
-            batch.job, batch.rank, batch.node, batch.generation, batch.run,
-            [(s.step, s.end_ts, s.step_s, s.compute_s, s.allreduce_s, s.optimizer_s, s.data_s)
-             for s in batch.steps],
-            now,
-        )  # fmt: skip
+            batch.job, batch.rank, batch.node, batch.generation, batch.run, batch.rows(), now
+        )
 
     def apply_steps(
         self, job_name: str, rank: int, node: str, generation: int, run: int | None,
