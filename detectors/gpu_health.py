@@ -147,8 +147,11 @@ class GpuHealthDetector(Detector):
     def _sample(self, sample: wire.NodeGpu, now: float) -> Iterator[events.Event]:
         cfg = self.config
         node = sample.node
+        gpus = self._gpus
         for g in sample.gpus:
-            gpu = self._gpus.setdefault((node, g.index), _Gpu())
+            gpu = gpus.get((node, g.index))
+            if gpu is None:  # not setdefault: a _Gpu built per sample was most of its cost
+                gpu = gpus[node, g.index] = _Gpu()
             gpu.last_seen = now
             if g.ecc_dbe_volatile:
                 yield from self._report(

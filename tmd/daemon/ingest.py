@@ -191,6 +191,13 @@ class Ingest:
         latency."""
         self._metrics.latency.observe(max(0.0, now - sent))
 
+    def _relayed_applied(self, relayed: wire.RelayedBatches, taken: list[int], now: float) -> None:
+        """The batches of ``relayed`` the view took (their indexes): their latencies,
+        each from when its rank made it."""
+        observe, sent = self._metrics.latency.observe, relayed.ts
+        for i in taken:
+            observe(max(0.0, now - sent[i]))
+
     def _apply_relayed(
         self, message: wire.NodeIter, node: str, now: float, *, publish: bool
     ) -> None:
@@ -210,43 +217,16 @@ class Ingest:
             if publish:
                 self._bus.publish(message.gpu)
         bus_wants = publish and self._bus.wants(wire.IterBatch)
-        took: list[int] = []  # batches the view took, to go on the bus
         total = StepsApplied()  # counted once per message
         for relayed in message.jobs:
-            name = relayed.job
-            job = view.jobs.get(name)
-            ranks, generations, runs, sent = (
-                relayed.rank,
-                relayed.generation,
-                relayed.run,
-                relayed.ts,
-            )
-            for i, rows in relayed.rows():
-                rank, generation = ranks[i], generations[i]
-                try:
-                    if job is not None:
-                        placed = job.members.get(rank)
-                        if placed is not None and placed != node and generation >= job.generation:
-                            # The job's status puts this rank elsewhere: not this agent's
-                            # to say. (A batch of an earlier generation may be a leaver's
-                            # last, sent from where the rank ran before the switch.)
-                            raise ProtocolError("mismatch", f"rank {rank} runs on {placed}")
-                    applied = view.apply_steps(name, rank, node, generation, runs[i], rows, now)
-                except ProtocolError as exc:  # this rank's batch only: the others count
-                    self._reject(wire.iter_topic(name, rank), "node_iter", exc, now)
-                    continue
-                job = view.jobs.get(name)  # created by the first batch of a new job
-                total.accepted += applied.accepted
-                total.duplicate += applied.duplicate
-                total.late += applied.late
-                self._applied(sent[i], rows, now)
-                if bus_wants:
-                    took.append(i)
-            if took:
+            taken, refused = view.apply_relayed(relayed, node, now, total)
+            for i, exc in refused:  # that rank's batch only: the others count
+                self._reject(wire.iter_topic(relayed.job, relayed.rank[i]), "node_iter", exc, now)
+            self._relayed_applied(relayed, taken, now)
+            if bus_wants and taken:
                 batches = relayed.batches(node)
-                for i in took:
+                for i in taken:
                     self._bus.publish(batches[i])
-                took.clear()
         self._count(total)
 
     def _reject(self, topic: str, kind: str, exc: ProtocolError, now: float) -> None:

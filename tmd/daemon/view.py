@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from tmd import wire
 from tmd.daemon.columns import TIMING_FIELDS, StepColumns
@@ -68,18 +68,22 @@ class RankState:
         return [int(s) for s in self.cols.step[:, self.col]]
 
     def add(
-        self, step: int, end_ts: float, step_s: float, compute_s: float,
+        self, into: StepsApplied, step: int, end_ts: float, step_s: float, compute_s: float,
         allreduce_s: float, optimizer_s: float, data_s: float,
-    ) -> Literal["ok", "duplicate", "late"]:  # fmt: skip
+    ) -> None:  # fmt: skip
+        """One step into its row of the column, counted in ``into`` as accepted, a
+        duplicate (its row holds it already) or late (older than the window)."""
         if step <= self.last_step - self.window:
             self.late += 1
-            return "late"
+            into.late += 1
+            return
         cols, col, window = self.cols, self.col, self.window
         slot = step % window
         steps = cols.w_step
         if steps[slot, col] == step:
             self.duplicates += 1
-            return "duplicate"
+            into.duplicate += 1
+            return
         steps[slot, col] = step
         cols.w_end_ts[slot, col] = end_ts
         t = cols.w_timings  # [field * window + slot, col]
@@ -91,7 +95,7 @@ class RankState:
         if step > self.last_step:
             self.last_step = step
         self.total_steps += 1
-        return "ok"
+        into.accepted += 1
 
     def busy_at(self, step: int) -> float | None:
         """Time the rank spent on ``step`` other than waiting for its peers (the step
@@ -182,11 +186,15 @@ class NodeView:
     """When (daemon time) anything its agent published live last arrived."""
 
 
-@dataclass
 class StepsApplied:
-    accepted: int = 0
-    duplicate: int = 0
-    late: int = 0
+    """Steps the view took, by outcome; one per message, added to by each batch."""
+
+    __slots__ = ("accepted", "duplicate", "late")
+
+    def __init__(self, accepted: int = 0, duplicate: int = 0, late: int = 0) -> None:
+        self.accepted = accepted
+        self.duplicate = duplicate
+        self.late = late
 
 
 class ClusterView:
@@ -228,10 +236,12 @@ class ClusterView:
 
     def apply_steps(
         self, job_name: str, rank: int, node: str, generation: int, run: int | None,
-        rows: Sequence[wire.Row], now: float,
+        rows: Sequence[wire.Row], now: float, into: StepsApplied | None = None,
     ) -> StepsApplied:  # fmt: skip
         """One batch of a rank's steps (``rows``, at least one), whether the rank sent
-        it (``IterBatch``) or its machine's agent relayed it (``RelayedBatches``)."""
+        it (``IterBatch``) or its machine's agent relayed it (``RelayedBatches``); what
+        became of them added to ``into`` (a message's count of its batches), or to a
+        new count, and returned."""
         # Every check before anything is created: a rejected message takes no slot.
         job = self.jobs.get(job_name)
         bound = self.max_ranks_per_job
@@ -255,8 +265,10 @@ class ClusterView:
         if run is not None and run < state.run:
             # A batch of a run the job has left behind (delivered late, say after the
             # daemon reconnected): its timeline is gone, every step is late.
+            out = into if into is not None else StepsApplied()
             state.late += len(rows)
-            return StepsApplied(late=len(rows))
+            out.late += len(rows)
+            return out
         if run is not None and run > state.run:
             state.new_run(run)  # a new run counts its generations from 0 again
         elif generation > state.generation and rows[0][0] <= state.last_step:
@@ -268,20 +280,73 @@ class ClusterView:
         state.generation = max(state.generation, generation)
         state.last_seen = now
         job.last_seen = now
-        out = StepsApplied()
+        out = into if into is not None else StepsApplied()
+        add = state.add
         for row in rows:
             if stale_above is not None and row[0] > stale_above:
                 state.late += 1
                 out.late += 1
                 continue
-            result = state.add(*row)
-            if result == "ok":
-                out.accepted += 1
-            elif result == "duplicate":
-                out.duplicate += 1
-            else:
-                out.late += 1
+            add(out, *row)
         return out
+
+    def apply_relayed(
+        self, relayed: wire.RelayedBatches, node: str, now: float, into: StepsApplied
+    ) -> tuple[list[int], list[tuple[int, ProtocolError]]]:
+        """One job's batches as ``node``'s agent relayed them (after ``check``), each
+        applied as ``apply_steps`` applies a batch, its steps counted in ``into``:
+        ``(the batches taken, (batch, why) for each refused)``. A refused batch leaves
+        the others be. So is one of a rank the job's status places on another machine:
+        an agent speaks for the ranks of its own machine only (a batch of an earlier
+        generation may be a leaver's last, sent from where the rank ran before the
+        switch).
+
+        The usual batch, of a rank the view holds, in the run and generation it holds
+        it in, goes straight into the rank's column: ``apply_steps`` minus what cannot
+        happen to it."""
+        name = relayed.job
+        ranks, generations, runs = relayed.rank, relayed.generation, relayed.run
+        columns = zip(relayed.step, relayed.end_ts, relayed.step_s, relayed.compute_s,
+                      relayed.allreduce_s, relayed.optimizer_s, relayed.data_s,
+                      strict=True)  # fmt: skip
+        taken: list[int] = []
+        refused: list[tuple[int, ProtocolError]] = []
+        job = self.jobs.get(name)
+        for i, count in enumerate(relayed.count):
+            rank, generation, run = ranks[i], generations[i], runs[i]
+            state = None
+            if job is not None:
+                placed = job.members.get(rank)
+                if placed is not None and placed != node and generation >= job.generation:
+                    refused.append((i, ProtocolError("mismatch", f"rank {rank} runs on {placed}")))
+                    for _ in range(count):
+                        next(columns)
+                    continue
+                state = job.ranks.get(rank)
+            if (
+                job is not None
+                and state is not None
+                and generation == state.generation
+                and (run is None or run == state.run)
+            ):
+                # Held, so within the job's bounds; neither a new run nor a new or old
+                # generation: nothing to reset, no step from a rolled-back timeline.
+                state.node = node
+                state.last_seen = now
+                job.last_seen = now
+                add = state.add
+                for _ in range(count):
+                    add(into, *next(columns))
+            else:
+                rows = [next(columns) for _ in range(count)]
+                try:
+                    self.apply_steps(name, rank, node, generation, run, rows, now, into)
+                except ProtocolError as exc:
+                    refused.append((i, exc))
+                    continue
+                job = self.jobs.get(name)  # the first batch of a new job made it
+            taken.append(i)
+        return taken, refused
 
     def apply_job_status(self, status: wire.JobStatus, now: float) -> None:
         # Applied in arrival order: the broker's order per topic is the truth (a Last

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from tmd import wire
-from tmd.daemon.view import ClusterView
+from tmd.daemon.view import ClusterView, StepsApplied
 from tmd.errors import ProtocolError
 
 TS = 1_800_000_000.0
@@ -448,3 +448,66 @@ def test_columns_grow_and_are_given_back_without_losing_steps() -> None:
     view.apply_job_status(msgspec.structs.replace(status, world_size=20), TS)
     view.apply_iter(batch(19, [3], compute=0.9), TS)  # back, in a fresh column
     assert job.ranks[19].recent("compute_s") == pytest.approx([0.9])
+
+
+def test_relayed_batches_land_as_the_same_batches_published_by_their_ranks() -> None:
+    """``apply_relayed`` takes the usual batch (a held rank, in its run and generation)
+    straight into its column: the same view, the same counts and the same refusals as
+    each batch through ``apply_steps``, over every case it must hand on: new ranks,
+    steps twice and too late, several steps a batch, a rank placed on another machine,
+    a new generation that rolled back, one of an older generation, a new run, and a
+    rank beyond the job's size."""
+    # Rank 2 unplaced (a status that lists only some members): any agent may relay it.
+    members = [wire.Member(0, "m0"), wire.Member(1, "m0"), wire.Member(3, "m1")]
+    status = wire.JobStatus(ts=TS, job="j", generation=0, world_size=4, members=members)
+
+    def b(rank: int, steps: list[int], gen: int = 0, run: int | None = None) -> wire.IterBatch:
+        timings = [wire.StepTiming(s, TS + s + rank / 10, 1.0, 0.5 + rank / 100, 0.4, 0.05,
+                                   0.01 * s) for s in steps]  # fmt: skip
+        return wire.IterBatch(ts=TS, job="j", rank=rank, node="m0", generation=gen, run=run,
+                              steps=timings)  # fmt: skip
+
+    messages = [
+        [b(0, [1]), b(1, [1, 2]), b(2, [1])],  # new ranks
+        [b(0, [2]), b(1, [2, 3]), b(3, [2]), b(2, [2, 3, 4])],  # a duplicate; 3 is on m1
+        [b(0, [3], gen=1), b(1, [1]), b(2, [14])],  # 1 too late for 2's ring after 14
+        [b(0, [2], gen=1), b(1, [5]), b(2, [15]), b(1, [6], run=1)],  # 0 rolled back; new run
+        [b(0, [9], gen=0), b(4, [1]), b(1, [1], run=0)],  # old generation; old run
+        [b(2, [16], run=0), b(0, [3], gen=1)],  # rank 2 moved to m2; 0 is m0's
+    ]
+    nodes = ["m0"] * 5 + ["m2"]  # the last relayed by m2's agent
+    by_rank, relayed = ClusterView(window_steps=8), ClusterView(window_steps=8)
+    for view in (by_rank, relayed):
+        view.apply_job_status(status, TS)
+    for node, batches in zip(nodes, messages, strict=True):
+        refusals, want_counts = [], StepsApplied()
+        for i, batch_ in enumerate(batches):
+            if by_rank.jobs["j"].members.get(batch_.rank, node) != node:
+                refusals.append((i, "mismatch"))
+                continue
+            try:
+                by_rank.apply_steps("j", batch_.rank, node, batch_.generation, batch_.run,
+                                    batch_.rows(), TS, want_counts)  # fmt: skip
+            except ProtocolError as exc:
+                refusals.append((i, exc.reason))
+        (columns,) = wire.RelayedBatches.of(batches)
+        counts = StepsApplied()
+        taken, refused = relayed.apply_relayed(columns, node, TS, counts)
+        assert [(i, exc.reason) for i, exc in refused] == refusals
+        assert sorted(taken + [i for i, _ in refused]) == list(range(len(batches)))
+        assert vars_of(counts) == vars_of(want_counts)
+    want, got = by_rank.jobs["j"], relayed.jobs["j"]
+    assert sorted(got.ranks) == sorted(want.ranks) == [0, 1, 2]
+    for r, state in want.ranks.items():
+        mine = got.ranks[r]
+        for name in ("generation", "run", "last_step", "total_steps", "duplicates", "late",
+                     "node", "steps"):  # fmt: skip
+            assert getattr(mine, name) == getattr(state, name), (r, name)
+        for step in state.steps:
+            if step >= 0:
+                assert mine.busy_at(step) == state.busy_at(step)
+    assert (got.cols.timings[:, :, : got.cols.n] == want.cols.timings[:, :, : want.cols.n]).all()
+
+
+def vars_of(counts: StepsApplied) -> tuple[int, int, int]:
+    return counts.accepted, counts.duplicate, counts.late

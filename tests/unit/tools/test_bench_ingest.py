@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from tmd import wire
-from tmd.tools.bench.ingest import behind_limit_s, holds, percentile, shortfalls, step_latencies
+from tmd.tools.bench.ingest import (
+    behind_limit_s,
+    holds,
+    percentile,
+    relayed_ends,
+    shortfalls,
+    step_latencies,
+)
 
 T0 = 1_800_000_000.0
 
@@ -66,20 +73,29 @@ def test_the_publisher_may_fall_behind_by_half_the_shorter_of_flush_and_step(
     assert behind_limit_s(flush_s=flush_s, step_s=step_s) == pytest.approx(limit)
 
 
-def rows(*ends: float) -> list[wire.Row]:
-    return [(i + 1, end, 1.0, 0.6, 0.3, 0.05, 0.05) for i, end in enumerate(ends)]
-
-
 def test_latency_runs_from_each_steps_end_not_from_publishing() -> None:
     # Three steps batched and sent together at T0 + 3, applied 50 ms later: the first
     # step's user waited 2.05 s, however fresh the message was.
-    got = step_latencies(rows(T0 + 1, T0 + 2, T0 + 3), applied_at=T0 + 3.05)
+    got = step_latencies([T0 + 1, T0 + 2, T0 + 3], applied_at=T0 + 3.05)
     assert got == pytest.approx([2.05, 1.05, 0.05])
 
 
 def test_a_late_publisher_shows_in_the_latency() -> None:
     # Sent 0.8 s after the step ended, applied at once: 0.8 s, not ~0.
-    assert step_latencies(rows(T0), applied_at=T0 + 0.8) == pytest.approx([0.8])
+    assert step_latencies([T0], applied_at=T0 + 0.8) == pytest.approx([0.8])
+
+
+def test_a_relayed_message_counts_the_steps_of_the_batches_taken_only() -> None:
+    batches = [
+        wire.IterBatch(ts=T0 + 3, job="j", rank=r, node="m",
+                       steps=[wire.StepTiming(s, T0 + r + s / 10, 1.0, 0.6, 0.3, 0.05, 0.05)
+                              for s in range(1, r + 2)])
+        for r in range(3)
+    ]  # fmt: skip
+    (relayed,) = wire.RelayedBatches.of(batches)
+    assert list(relayed_ends(relayed, [0, 1, 2])) == relayed.end_ts
+    # Rank 1's batch (two steps) refused: ranks 0 and 2, one step and three.
+    assert list(relayed_ends(relayed, [0, 2])) == [T0 + 0.1, T0 + 2.1, T0 + 2.2, T0 + 2.3]
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack, suppress
+from itertools import accumulate
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -55,11 +56,19 @@ of the flush interval and the step. Behind by a whole one, it merges batches: fe
 larger messages, a lighter load than N ranks offer. Half is the margin allowed."""
 
 
-def step_latencies(rows: Sequence[wire.Row], applied_at: float) -> list[float]:
-    """Seconds from the end of each step of a batch (its ``rows``) to ``applied_at``,
+def step_latencies(ends: Iterable[float], applied_at: float) -> list[float]:
+    """Seconds from the end of each step (``ends``, their ``end_ts``) to ``applied_at``,
     when the daemon applied it: a step that waited in the runtime's batch, or in its
     machine's agent, waited for the user."""
-    return [applied_at - row[1] for row in rows]
+    return [applied_at - end for end in ends]
+
+
+def relayed_ends(relayed: wire.RelayedBatches, taken: Sequence[int]) -> Iterable[float]:
+    """The ``end_ts`` of every step of the batches ``taken`` from ``relayed``."""
+    if len(taken) == len(relayed.count):
+        return relayed.end_ts  # the usual message: every batch taken
+    starts = list(accumulate(relayed.count, initial=0))
+    return [end for i in taken for end in relayed.end_ts[starts[i] : starts[i + 1]]]
 
 
 def behind_limit_s(*, flush_s: float, step_s: float) -> float:
@@ -86,8 +95,12 @@ class BenchIngest(Ingest):
         self._stock_iterator = stock_iterator
 
     def _applied(self, sent: float, rows: Sequence[wire.Row], now: float) -> None:
-        super()._applied(sent, rows, now)  # a rank's own, or relayed by its agent
-        self.latencies.extend(step_latencies(rows, now))
+        super()._applied(sent, rows, now)  # a rank's own batch
+        self.latencies.extend(step_latencies([row[1] for row in rows], now))
+
+    def _relayed_applied(self, relayed: wire.RelayedBatches, taken: list[int], now: float) -> None:
+        super()._relayed_applied(relayed, taken, now)  # batches relayed by their agent
+        self.latencies.extend(step_latencies(relayed_ends(relayed, taken), now))
 
     def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
         return None if self._stock_iterator else super()._queue_type()
