@@ -47,6 +47,7 @@ class SynthResult:
     gpu_messages: int = 0
     max_behind_s: float = 0.0  # how far the publisher fell behind its schedule
     elapsed_s: float = 0.0
+    cpu_s: float = 0.0  # the publisher's own CPU (its process, paho's thread included)
 
 
 def node_of(rank: int, ranks_per_node: int) -> str:
@@ -79,7 +80,7 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
     )
     client.publish(wire.job_topic(spec.job, "status"), wire.encode(status), qos=1, retain=True)
     sender = _Sender(spec, client, rng, members, t0)
-    start = time.monotonic()
+    start, cpu0 = time.monotonic(), time.process_time()
     while True:
         now_m = time.monotonic() - start
         if now_m >= spec.seconds:
@@ -93,6 +94,7 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
         time.sleep(0.002)
     out = sender.out
     out.elapsed_s = time.monotonic() - start
+    out.cpu_s = time.process_time() - cpu0
     # Wait until paho has handed everything to the socket.
     deadline = time.monotonic() + 30
     while client.want_write() and time.monotonic() < deadline:

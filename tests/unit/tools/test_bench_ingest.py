@@ -3,6 +3,8 @@ holds only at the load claimed, and latency runs from a step's end, as a user wa
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from tmd.tools.bench.ingest import (
     behind_limit_s,
     holds,
     percentile,
+    process_cpu_s,
     relayed_ends,
     shortfalls,
     step_latencies,
@@ -27,6 +30,7 @@ def result(**changes: Any) -> dict[str, Any]:
         "p99_latency_s": 0.05,
         "publisher_max_behind_s": 0.01,
         "publisher_behind_limit_s": behind_limit_s(flush_s=1.0, step_s=1.0),
+        "rss_mb": 400.0,
         **changes,
     }
 
@@ -44,9 +48,11 @@ def result(**changes: Any) -> dict[str, Any]:
         ({"publisher_max_behind_s": 0.51}, "fell 0.51 s behind"),
         ({"publisher_max_behind_s": 0.5}, None),
         ({"publisher_max_behind_s": 3.0, "p99_latency_s": 0.01}, "fell 3.0 s behind"),
+        ({"rss_mb": 2048.0}, "RSS 2048.0 MB"),
+        ({"rss_mb": 2047.9}, None),
     ],
 )
-def test_the_target_holds_only_without_loss_under_a_second_at_the_load_claimed(
+def test_the_target_holds_only_without_loss_under_a_second_and_2_gib_at_the_load_claimed(
     changes: dict[str, Any], why: str | None
 ) -> None:
     r = result(**changes)
@@ -59,8 +65,8 @@ def test_the_target_holds_only_without_loss_under_a_second_at_the_load_claimed(
 
 
 def test_every_shortfall_is_named() -> None:
-    r = result(loss=0.5, p99_latency_s=2.0, publisher_max_behind_s=1.0)
-    assert len(shortfalls(r)) == 3 and not holds(r)
+    r = result(loss=0.5, p99_latency_s=2.0, publisher_max_behind_s=1.0, rss_mb=4096.0)
+    assert len(shortfalls(r)) == 4 and not holds(r)
 
 
 @pytest.mark.parametrize(
@@ -110,3 +116,12 @@ def test_a_relayed_message_counts_the_steps_of_the_batches_taken_only() -> None:
 )
 def test_percentile(values: list[float], q: float, expected: float | None) -> None:
     assert percentile(values, q) == expected
+
+
+def test_a_process_cpu_time_is_read_from_proc() -> None:
+    busy = time.process_time()
+    while time.process_time() - busy < 0.05:
+        pass
+    mine = process_cpu_s(os.getpid())
+    assert mine is not None and mine >= 0.05
+    assert process_cpu_s(None) is None

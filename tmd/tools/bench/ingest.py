@@ -50,6 +50,8 @@ STEP_S = 1.0
 """Every synthetic rank's step time: one step per second."""
 TARGET_P99_S = 1.0
 """The p99 latency, step end to applied, under which the target holds."""
+TARGET_RSS_MB = 2048.0
+"""The daemon's resident memory at the end of a run, under which the target holds."""
 MAX_BEHIND_FRACTION = 0.5
 """How far the publisher may fall behind its schedule, as a fraction of the shorter
 of the flush interval and the step. Behind by a whole one, it merges batches: fewer,
@@ -127,6 +129,18 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user and system) process ``pid`` has used; None if unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _config(host: str, port: int, ranks: int, state: str) -> config_mod.Config:
     return config_mod.from_dict(
         {
@@ -169,7 +183,7 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
 
 async def _measure(
     *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool,
-    via: str = "direct", relay_sample: bool = False,
+    via: str = "direct", relay_sample: bool = False, broker_pid: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
         daemon = Daemon(_config(host, port, ranks, state))
@@ -183,11 +197,13 @@ async def _measure(
             relay_sample=relay_sample,
         )  # fmt: skip
         rss_before = _rss_mb()
-        cpu0, wall0 = _cpu_s(), time.monotonic()
+        cpu0, wall0, broker0 = _cpu_s(), time.monotonic(), process_cpu_s(broker_pid)
         result, proc = await _publish(spec)
         await _drain(daemon, result.rank_steps)
         cpu_s = _cpu_s() - cpu0
         wall_s = time.monotonic() - wall0
+        broker1 = process_cpu_s(broker_pid)
+        broker_cpu = None if broker0 is None or broker1 is None else broker1 - broker0
         proc.join(5)
         in_view = daemon.view.total_steps()
         rss_after = _rss_mb()
@@ -224,6 +240,10 @@ async def _measure(
             "rss_before_mb": round(rss_before, 1),
             "cpu_s": round(cpu_s, 2),
             "cpu_fraction": round(cpu_s / wall_s, 3),
+            # Where the rest of the machine went: the load generator over its own run,
+            # the broker over the daemon's (None: a broker this bench did not start).
+            "publisher_cpu_fraction": round(result.cpu_s / max(1e-9, result.elapsed_s), 3),
+            "broker_cpu_fraction": None if broker_cpu is None else round(broker_cpu / wall_s, 3),
             "cpu_us_per_message": round(cpu_s / max(1, messages) * 1e6, 2),
             # The daemon's CPU (ingest and all) over the rank-steps it took in.
             "cpu_us_per_rank_step": round(cpu_s / max(1, in_view) * 1e6, 2),
@@ -238,8 +258,8 @@ def _round(x: float | None) -> float | None:
 
 def shortfalls(r: Mapping[str, Any]) -> list[str]:
     """Why a run's result misses the target (none: it holds): a rank-step lost, a p99
-    latency of a second or more, or a publisher that fell behind its schedule and so
-    offered a lighter load than the one claimed."""
+    latency of a second or more, the daemon's RSS at 2 GiB or more, or a publisher that
+    fell behind its schedule and so offered a lighter load than the one claimed."""
     out = []
     if r["loss"] != 0:
         out.append(f"lost {r['loss']:.3%} of the rank-steps")
@@ -248,6 +268,8 @@ def shortfalls(r: Mapping[str, Any]) -> list[str]:
         out.append("no rank-step was applied")
     elif p99 >= TARGET_P99_S:
         out.append(f"p99 latency {p99} s >= {TARGET_P99_S} s")
+    if r["rss_mb"] >= TARGET_RSS_MB:
+        out.append(f"RSS {r['rss_mb']} MB >= {TARGET_RSS_MB:g} MB")
     if r["publisher_max_behind_s"] > r["publisher_behind_limit_s"]:
         out.append(
             f"the publisher fell {r['publisher_max_behind_s']} s behind its schedule "
@@ -257,13 +279,14 @@ def shortfalls(r: Mapping[str, Any]) -> list[str]:
 
 
 def holds(r: Mapping[str, Any]) -> bool:
-    """The target: nothing lost, p99 under a second, at the load claimed."""
+    """The target: nothing lost, p99 under a second, RSS under 2 GiB, at the load
+    claimed."""
     return not shortfalls(r)
 
 
 def _search(
     host: str, port: int, start: int, start_holds: bool, flush_s: float, via: str,
-    relay_sample: bool,
+    relay_sample: bool, broker_pid: int | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Double N from ``start`` until the target fails, then bisect to within 1/8."""
     tried: list[dict[str, Any]] = []
@@ -279,10 +302,12 @@ def _search(
                 stock_iterator=False,
                 via=via,
                 relay_sample=relay_sample,
+                broker_pid=broker_pid,
             )
         )
         keys = ("ranks", "loss", "p99_latency_s", "publisher_max_behind_s", "rss_mb",
-                "messages_per_s", "cpu_fraction")  # fmt: skip
+                "messages_per_s", "cpu_fraction", "cpu_us_per_rank_step",
+                "publisher_cpu_fraction", "broker_cpu_fraction")  # fmt: skip
         tried.append({k: r[k] for k in keys})
         return holds(r)
 
@@ -341,12 +366,13 @@ def main(argv: list[str]) -> int:
     log.setup(level="warning")  # on stderr: stdout carries the JSON alone
     load, progress = measure.Load(), Progress()
     with ExitStack() as stack:
+        broker_pid = None
         if args.broker:
             host, _, port_text = args.broker.rpartition(":")
             host, port = host or "127.0.0.1", int(port_text)
         else:
             broker = stack.enter_context(Mosquitto())
-            host, port = broker.host, broker.port
+            host, port, broker_pid = broker.host, broker.port, broker.pid
         progress.say(f"tmd's ingest: {args.ranks} ranks via {args.via} for {args.seconds:g} s")
         out = asyncio.run(
             _measure(
@@ -358,6 +384,7 @@ def main(argv: list[str]) -> int:
                 stock_iterator=False,
                 via=args.via,
                 relay_sample=args.relay_sample,
+                broker_pid=broker_pid,
             )
         )
         out["shortfalls"] = shortfalls(out)
@@ -374,6 +401,7 @@ def main(argv: list[str]) -> int:
                     stock_iterator=True,
                     via=args.via,
                     relay_sample=args.relay_sample,
+                    broker_pid=broker_pid,
                 )
             )
             out["baseline_stock_iterator"] = base
@@ -382,7 +410,7 @@ def main(argv: list[str]) -> int:
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
             found = _search(host, port, args.ranks, out["holds_target"], args.flush_s, args.via,
-                            args.relay_sample)  # fmt: skip
+                            args.relay_sample, broker_pid)  # fmt: skip
             out.update(found)
     out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
