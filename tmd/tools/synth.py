@@ -1,24 +1,29 @@
 """Synthetic telemetry: many simulated ranks and nodes publishing real v1 messages.
 
-Used by ``tmd bench ingest`` (load) and the demo (a job with a slow rank). It runs in
-its own process with a plain paho-mqtt client, so the publisher's CPU never counts
-against the daemon it measures. Rank ``r`` of ``N`` publishes at phase ``r/N`` of
-each flush interval, so the load is spread evenly over time as real ranks' are.
+Used by ``tmd bench ingest`` (load) and the tests (a job with a slow rank). It runs
+in its own process, so the publisher's CPU never counts against the daemon it
+measures; but it shares the machine, so it writes its MQTT packets itself
+(``RawPublisher``): through paho it cost more per message than the daemon reading
+them. Rank ``r`` of ``N`` publishes at phase ``r/N`` of each flush interval, so the
+load is spread evenly over time as real ranks' are.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgspec
+import numpy as np
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tmd import wire
+from tmd.tools.mqtt_codec import encode_length, packet_bounds, publish_packet, topic_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,31 +52,111 @@ class SynthResult:
     gpu_messages: int = 0
     max_behind_s: float = 0.0  # how far the publisher fell behind its schedule
     elapsed_s: float = 0.0
-    cpu_s: float = 0.0  # the publisher's own CPU (its process, paho's thread included)
+    cpu_s: float = 0.0  # the publisher's own CPU (its process, its reading thread included)
 
 
 def node_of(rank: int, ranks_per_node: int) -> str:
     return f"node-{rank // ranks_per_node:05d}"
 
 
-def step_timing(
-    step: int, end: float, step_s: float, slowdown: float, rng: random.Random
-) -> wire.StepTiming:
+def step_row(step: int, end: float, step_s: float, slowdown: float, rng: random.Random) -> wire.Row:
     """One plausible data-parallel step: the slow rank computes longer, the others wait
     longer in the all-reduce, so every rank's step time is alike."""
-    compute = step_s * 0.6 * slowdown * rng.uniform(0.97, 1.03)
+    compute = step_s * 0.6 * slowdown * (0.97 + 0.06 * rng.random())
     optimizer = step_s * 0.05
     data = step_s * 0.02
     allreduce = max(0.0, step_s - compute - optimizer - data)
-    return wire.StepTiming(step, end, step_s, compute, allreduce, optimizer, data)
+    return (step, end, step_s, compute, allreduce, optimizer, data)
+
+
+class RawPublisher:
+    """An MQTT 3.1.1 client that only publishes, writing its packets itself, every
+    packet of a round in one write: the bytes paho would send (CONNECT with a clean
+    session, PUBLISH at QoS 0 or 1), at a few microseconds a message where paho's
+    Python costs a hundred, which on a shared machine is taken from the daemon the
+    load is for. A thread reads the broker's PUBACKs; ``close`` waits for them all."""
+
+    def __init__(self, host: str, port: int, client_id: str, timeout_s: float = 10.0) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ident = client_id.encode()
+        # Protocol "MQTT" level 4, clean session, no keep-alive (it only writes).
+        body = b"\x00\x04MQTT\x04\x02\x00\x00" + topic_field(ident)
+        self._sock.sendall(b"\x10" + encode_length(len(body)) + body)
+        connack = self._recv_exactly(4)
+        if connack[0] != 0x20 or connack[3] != 0:
+            raise ConnectionError(f"broker refused the connection: {connack.hex()}")
+        self._sock.settimeout(None)
+        self._out = bytearray()
+        self._topics: dict[str, bytes] = {}
+        self._pid = 0
+        self.sent_qos1 = 0
+        self.acked = 0
+        self._reader = threading.Thread(target=self._read, name="tmd-synth-acks", daemon=True)
+        self._reader.start()
+
+    def _recv_exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self._sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("broker closed the connection")
+            data += chunk
+        return data
+
+    def _read(self) -> None:
+        buf = bytearray()
+        while True:
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            pos = 0
+            while (bounds := packet_bounds(buf, pos, 1 << 20)) is not None:
+                first, _, end = bounds
+                if first >> 4 == 4:  # PUBACK
+                    self.acked += 1
+                pos = end
+            del buf[:pos]
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False) -> None:
+        """Queue one PUBLISH for the next ``flush``."""
+        field = self._topics.get(topic)
+        if field is None:
+            field = self._topics[topic] = topic_field(topic.encode())
+        pid = 0
+        if qos:
+            self._pid = self._pid % 0xFFFF + 1
+            pid = self._pid
+            self.sent_qos1 += 1
+        self._out += publish_packet(field, payload, retain=retain, pid=pid)
+
+    def flush(self) -> None:
+        if self._out:
+            self._sock.sendall(self._out)
+            self._out.clear()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, wait for every PUBACK (up to ``timeout_s``), disconnect."""
+        self.flush()
+        deadline = time.monotonic() + timeout_s
+        while self.acked < self.sent_qos1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            self._sock.sendall(b"\xe0\x00")  # DISCONNECT
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._reader.join(5)
 
 
 def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
     """Publish for ``spec.seconds``; put the SynthResult on ``results`` if given."""
-    client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
-    client.max_queued_messages_set(0)
-    client.connect(spec.host, spec.port, keepalive=60)
-    client.loop_start()
+    client = RawPublisher(spec.host, spec.port, f"tmd-synth-{spec.job}-{spec.seed}")
     rng = random.Random(spec.seed)
     members = [wire.Member(r, node_of(r, spec.ranks_per_node)) for r in range(spec.ranks)]
     t0 = time.time()
@@ -79,6 +164,7 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
         ts=t0, job=spec.job, generation=0, world_size=spec.ranks, members=members
     )
     client.publish(wire.job_topic(spec.job, "status"), wire.encode(status), qos=1, retain=True)
+    client.flush()
     sender = _Sender(spec, client, rng, members, t0)
     start, cpu0 = time.monotonic(), time.process_time()
     while True:
@@ -91,17 +177,12 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
             sender.send_ranks(now_m)
             if spec.gpu_health:
                 sender.send_gpus(now_m)
+        client.flush()
         time.sleep(0.002)
     out = sender.out
     out.elapsed_s = time.monotonic() - start
+    client.close()  # every QoS 1 message acknowledged: the broker has them
     out.cpu_s = time.process_time() - cpu0
-    # Wait until paho has handed everything to the socket.
-    deadline = time.monotonic() + 30
-    while client.want_write() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    client.loop_stop()
-    client.disconnect()
     if results is not None:
         results.put(out)
     return out
@@ -114,7 +195,7 @@ class _Sender:
     def __init__(
         self,
         spec: SynthSpec,
-        client: paho.Client,
+        client: RawPublisher,
         rng: random.Random,
         members: list[wire.Member],
         t0: float,
@@ -128,12 +209,20 @@ class _Sender:
         n = spec.ranks
         self.nodes = (n + spec.ranks_per_node - 1) // spec.ranks_per_node
         self.iter_topics = [wire.iter_topic(spec.job, r) for r in range(n)]
-        self.gpu_topics = [
-            wire.node_topic(node_of(i * spec.ranks_per_node, spec.ranks_per_node), "gpu")
-            for i in range(self.nodes)
+        self.node_names = [
+            node_of(i * spec.ranks_per_node, spec.ranks_per_node) for i in range(self.nodes)
         ]
-        self.node_iter_topics = [t.rsplit("/", 1)[0] + "/iter" for t in self.gpu_topics]
-        self.next_step = [1] * n
+        self.gpu_topics = [wire.node_topic(name, "gpu") for name in self.node_names]
+        self.node_iter_topics = [wire.node_topic(name, "iter") for name in self.node_names]
+        # The usual nodes, each of their ranks one step due, as vectors (``_due_columns``).
+        self.np_rng = np.random.default_rng(spec.seed)
+        self.next_step = np.ones(n, dtype=np.int64)  # each rank's next step to send
+        self.phase_s = np.arange(n) / n * spec.step_s  # rank r's step ends at phase r/n
+        self.slowdown = np.ones(n)
+        for r, slow in spec.slow.items():
+            if 0 <= r < n:
+                self.slowdown[r] = slow
+        self.gpu_pool = [self._gpus() for _ in range(64)]
         self.sent_ranks = 0  # ranks published in the current flush period
         self.sent_nodes = 0
         self.period = 0
@@ -148,7 +237,7 @@ class _Sender:
             behind = now_m - (self.period * spec.flush_s + r / n * spec.flush_s)
             out.max_behind_s = max(out.max_behind_s, behind)
             now = time.time()
-            steps = self._steps_done(r, now)
+            steps = [wire.StepTiming(*row) for row in self._rows_done(r, now)]
             if steps:
                 batch = wire.IterBatch(
                     ts=now, job=spec.job, rank=r, node=self.members[r].node, steps=steps
@@ -171,28 +260,39 @@ class _Sender:
         k = spec.ranks_per_node
         frac = (now_m - self.period * spec.flush_s) / spec.flush_s
         due = min(nodes, int(frac * n / k))
+        first = self.sent_nodes
+        now = time.time()
+        # The nodes due now, made together as vectors when each of their ranks has one
+        # step due (the usual case); else each rank apart (``_rows_done``).
+        together = self._due_columns(first * k, min(n, due * k), now) if due > first else None
         while self.sent_nodes < due:
             i = self.sent_nodes
             slot = self.period * spec.flush_s + min(n, (i + 1) * k) / n * spec.flush_s
             out.max_behind_s = max(out.max_behind_s, now_m - slot)
-            now = time.time()
-            node = node_of(i * k, k)
+            node = self.node_names[i]
             ranks: list[int] = []
             counts: list[int] = []
-            rows: list[tuple[Any, ...]] = []
-            for r in range(i * k, min(n, (i + 1) * k)):
-                steps = self._steps_done(r, now)
-                if steps:
-                    ranks.append(r)
-                    counts.append(len(steps))
-                    rows.extend(msgspec.structs.astuple(s) for s in steps)
-                    out.rank_steps += len(steps)
+            if together is not None:
+                a, b = (i - first) * k, min(n, (i + 1) * k) - first * k
+                ranks, counts = together[0][a:b], [1] * (b - a)
+                step, end_ts, step_s, compute_s, allreduce_s, optimizer_s, data_s = (
+                    c[a:b] for c in together[1:]
+                )
+            else:
+                rows: list[wire.Row] = []
+                for r in range(i * k, min(n, (i + 1) * k)):
+                    done = self._rows_done(r, now)
+                    if done:
+                        ranks.append(r)
+                        counts.append(len(done))
+                        rows += done
+                step, end_ts, step_s, compute_s, allreduce_s, optimizer_s, data_s = (
+                    list(c) for c in zip(*rows, strict=True)
+                ) if rows else ([] for _ in range(7))  # fmt: skip
+            out.rank_steps += len(step)
             sample = self._sample(i, now) if spec.gpu_health else None
             if ranks:
                 # As the agent relays them (wire.RelayedBatches.of), made in place.
-                step, end_ts, step_s, compute_s, allreduce_s, optimizer_s, data_s = (
-                    list(c) for c in zip(*rows, strict=True)
-                )
                 relayed = wire.RelayedBatches(
                     job=spec.job, rank=ranks, ts=[now] * len(ranks), generation=[0] * len(ranks),
                     run=[None] * len(ranks), count=counts, step=step, end_ts=end_ts,
@@ -214,30 +314,50 @@ class _Sender:
             self.sent_nodes = 0
             self.period += 1
 
-    def _sample(self, i: int, now: float) -> wire.NodeGpu:
-        spec = self.spec
-        return wire.NodeGpu(
-            ts=now,
-            node=node_of(i * spec.ranks_per_node, spec.ranks_per_node),
-            gpus=[
-                wire.GpuSample(index=g, temp_c=55.0 + self.rng.random() * 10, power_w=400.0,
-                               util_pct=97.0, clock_event_reasons=0)
-                for g in range(min(8, spec.ranks_per_node))
-            ],
-        )  # fmt: skip
+    def _gpus(self) -> list[wire.GpuSample]:
+        return [
+            wire.GpuSample(index=g, temp_c=55.0 + self.rng.random() * 10, power_w=400.0,
+                           util_pct=97.0, clock_event_reasons=0)
+            for g in range(min(8, self.spec.ranks_per_node))
+        ]  # fmt: skip
 
-    def _steps_done(self, r: int, now: float) -> list[wire.StepTiming]:
+    def _sample(self, i: int, now: float) -> wire.NodeGpu:
+        """Node ``i``'s GPUs now, healthy; their readings one of a pool made at start."""
+        gpus = self.gpu_pool[self.rng.randrange(len(self.gpu_pool))]
+        return wire.NodeGpu(ts=now, node=self.node_names[i], gpus=gpus)
+
+    def _due_columns(self, lo: int, hi: int, now: float) -> tuple[list[Any], ...] | None:
+        """Ranks ``lo`` to ``hi`` and their step columns, as vectors, when each has
+        exactly one step due by ``now`` (what ``_rows_done`` would make of each, alike
+        in law); None otherwise."""
+        spec = self.spec
+        steps = self.next_step[lo:hi]
+        ends = self.t0 + steps * spec.step_s + self.phase_s[lo:hi]
+        if not ((ends <= now).all() and (ends + spec.step_s > now).all()):
+            return None
+        step_s = spec.step_s
+        compute = step_s * 0.6 * self.slowdown[lo:hi] * (0.97 + 0.06 * self.np_rng.random(hi - lo))
+        optimizer, data = step_s * 0.05, step_s * 0.02
+        allreduce = np.maximum(0.0, step_s - compute - optimizer - data)
+        m = hi - lo
+        out = (list(range(lo, hi)), steps.tolist(), ends.tolist(), [step_s] * m,
+               compute.tolist(), allreduce.tolist(), [optimizer] * m, [data] * m)  # fmt: skip
+        self.next_step[lo:hi] += 1
+        return out
+
+    def _rows_done(self, r: int, now: float) -> list[wire.Row]:
         """Rank ``r``'s steps ended by ``now`` and not yet sent (at most one batch)."""
         spec, n = self.spec, self.spec.ranks
-        steps: list[wire.StepTiming] = []
-        while True:
-            k = self.next_step[r]
+        rows: list[wire.Row] = []
+        k = int(self.next_step[r])
+        while len(rows) < wire.MAX_STEPS_PER_BATCH:
             end = self.t0 + (k + r / n) * spec.step_s
-            if end > now or len(steps) >= wire.MAX_STEPS_PER_BATCH:
+            if end > now:
                 break
-            steps.append(step_timing(k, end, spec.step_s, spec.slow.get(r, 1.0), self.rng))
-            self.next_step[r] = k + 1
-        return steps
+            rows.append(step_row(k, end, spec.step_s, spec.slow.get(r, 1.0), self.rng))
+            k += 1
+        self.next_step[r] = k
+        return rows
 
     def send_gpus(self, now_m: float) -> None:
         """Every node's GPU sample due by ``now_m`` in this second."""
