@@ -412,15 +412,21 @@ def probe_topic(daemon: str) -> str:
 
 
 SUBSCRIPTIONS: Final = (
-    f"{PREFIX}/node/+/status",
-    f"{PREFIX}/node/+/gpu",
-    f"{PREFIX}/node/+/xid",
-    f"{PREFIX}/node/+/iter",
-    f"{PREFIX}/job/+/rank/+/iter",
-    f"{PREFIX}/job/+/status",
-    f"{PREFIX}/job/+/ack",
+    (f"{PREFIX}/node/+/status", 1),
+    (f"{PREFIX}/node/+/gpu", 0),
+    (f"{PREFIX}/node/+/xid", 1),
+    (f"{PREFIX}/node/+/iter", 0),
+    (f"{PREFIX}/job/+/rank/+/iter", 0),
+    (f"{PREFIX}/job/+/status", 1),
+    (f"{PREFIX}/job/+/ack", 1),
 )
-"""What the daemon subscribes to (``ctl`` is the daemon's own output)."""
+"""What the daemon subscribes to, and at which QoS (``ctl`` is the daemon's own
+output). Telemetry at 0: a relayed ``NodeIter`` is published at QoS 1 so that its
+agent knows the broker has it, but on the broker's leg to a daemon of a clean session
+an acknowledgement buys nothing (no redelivery after a reconnect; a live TCP
+connection loses nothing) and costs the daemon a PUBACK per message, the bulk of its
+telemetry, and a broker's per-client QoS 1 queue (mosquitto's ``max_queued_messages``,
+1000 by default) drops what a lagging daemon has not read yet. Events and state at 1."""
 
 # -- codec -----------------------------------------------------------------------------
 

@@ -328,7 +328,7 @@ class Ingest:
         async with self._client(queue_type=self._queue_type()) as client:
             prefix = f"$share/{self._mqtt.shared_group}/" if self._mqtt.shared_group else ""
             granted = await client.subscribe(
-                [(prefix + t, 1) for t in wire.SUBSCRIPTIONS],
+                [(prefix + t, qos) for t, qos in wire.SUBSCRIPTIONS],
                 timeout=self._mqtt.connect_timeout_s,
             )
             granted = [
