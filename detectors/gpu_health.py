@@ -176,8 +176,12 @@ class GpuHealthDetector(Detector):
                     now,
                 )
             throttling = self._throttled(gpu, g, now)
-            nvlink = self._rising(gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min)
-            pcie = self._rising(gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min)
+            nvlink = g.nvlink_replay is not None and self._rising(
+                gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min
+            )
+            pcie = g.pcie_replay is not None and self._rising(
+                gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min
+            )
             pending_remap, pending_retire = bool(g.remap_pending), bool(g.retired_pages_pending)
             if not (
                 gpu.degraded or pending_remap or pending_retire or throttling or nvlink or pcie
@@ -207,6 +211,8 @@ class GpuHealthDetector(Detector):
         gpu.throttled_count += hot
         while window and window[0][0] < now - self.config.throttle_window_s:
             gpu.throttled_count -= window.popleft()[1]
+        if not gpu.throttled_count:
+            return False  # the usual GPU: not one sample of the window throttled
         # "Sustained": most samples of a window that is (nearly) full.
         span = window[-1][0] - window[0][0]
         if span < 0.8 * self.config.throttle_window_s:
