@@ -77,7 +77,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tmd.daemon import events
-from tmd.daemon.view import JobView, RankState
+from tmd.daemon.ranks import RankState
+from tmd.daemon.view import JobView
 from tmd.detectors.base import Detector
 from tmd.errors import ConfigError
 from tmd.plugins import Context

@@ -12,7 +12,7 @@ names are single topic segments.
 from __future__ import annotations
 
 import socket
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -199,12 +199,17 @@ class RelayedBatches(msgspec.Struct, kw_only=True, frozen=True):
         if any(len(getattr(self, f)) != steps for f in _STEP_FIELDS):
             raise ProtocolError("schema", f"relayed step columns hold other than {steps} steps")
 
+    def steps(self) -> Iterator[Row]:
+        """Every step of every batch as a ``Row``, batch after batch (after ``check``,
+        which makes the columns of one length)."""
+        return zip(self.step, self.end_ts, self.step_s, self.compute_s, self.allreduce_s,
+                   self.optimizer_s, self.data_s, strict=True)  # fmt: skip
+
     def rows(self) -> Iterable[tuple[int, list[Row]]]:
         """``(i, its steps)`` for each batch ``i``, in order (after ``check``)."""
-        columns = zip(self.step, self.end_ts, self.step_s, self.compute_s, self.allreduce_s,
-                      self.optimizer_s, self.data_s, strict=True)  # fmt: skip
+        steps = self.steps()
         for i, count in enumerate(self.count):
-            yield i, [next(columns) for _ in range(count)]
+            yield i, [next(steps) for _ in range(count)]
 
     def batches(self, node: str) -> list[IterBatch]:
         """The batches as their ranks made them (after ``check``)."""
@@ -421,12 +426,13 @@ SUBSCRIPTIONS: Final = (
     (f"{PREFIX}/job/+/ack", 1),
 )
 """What the daemon subscribes to, and at which QoS (``ctl`` is the daemon's own
-output). Telemetry at 0: a relayed ``NodeIter`` is published at QoS 1 so that its
-agent knows the broker has it, but on the broker's leg to a daemon of a clean session
-an acknowledgement buys nothing (no redelivery after a reconnect; a live TCP
-connection loses nothing) and costs the daemon a PUBACK per message, the bulk of its
-telemetry, and a broker's per-client QoS 1 queue (mosquitto's ``max_queued_messages``,
-1000 by default) drops what a lagging daemon has not read yet. Events and state at 1."""
+output). Telemetry at 0, as its publishers send it, the relayed ``NodeIter`` too: its
+agent publishes it at QoS 1 to know the broker has it, but on the broker's leg to the
+daemon, whose sessions are clean, an acknowledgement brings nothing back after a
+reconnect and cost the daemon a PUBACK per message, 15% of its CPU at 32,768 ranks.
+What a broker queues for a daemon that lags is bounded either way (mosquitto's
+``max_queued_messages``, see ``deploy/mosquitto/tmd.conf``), and a lagging daemon
+knows it lags (``tmd.daemon.freshness``). Events and state at 1."""
 
 # -- codec -----------------------------------------------------------------------------
 

@@ -16,7 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ("tmd.wire", "tmd.errors", "tmd.config", "tmd.log", "tmd.clock", "tmd.connection")
 SHARED_ALL = (*SHARED, "tmd.sdnotify")
-PLUGIN_API = ("tmd.plugins", "tmd.daemon.plugins", "tmd.daemon.view", "tmd.daemon.events")
+PLUGIN_API = (
+    "tmd.plugins",
+    "tmd.daemon.plugins",
+    "tmd.daemon.view",
+    "tmd.daemon.ranks",
+    "tmd.daemon.events",
+)
 
 # folder -> the tmd modules (and their submodules) its files may import
 ALLOWED: dict[str, tuple[str, ...]] = {

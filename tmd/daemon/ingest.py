@@ -30,7 +30,8 @@ from tmd.connection import ClientFactory, cancelling, reconnect_forever
 from tmd.daemon.bus import Bus
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
-from tmd.daemon.view import ClusterView, StepsApplied
+from tmd.daemon.ranks import StepsApplied
+from tmd.daemon.view import ClusterView
 from tmd.errors import ProtocolError, PublishError, TmdError
 
 _NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid", "iter": "node_iter"}

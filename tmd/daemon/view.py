@@ -24,111 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tmd import wire
-from tmd.daemon.columns import TIMING_FIELDS, StepColumns
+from tmd.daemon.columns import StepColumns
 from tmd.daemon.freshness import Freshness
+from tmd.daemon.ranks import RankState, StepsApplied
 from tmd.errors import ProtocolError
-
-
-class RankState:
-    """One rank: what it last reported, and its column of the job's ``StepColumns``
-    (its recent steps, row ``step % window``)."""
-
-    __slots__ = (
-        "col",
-        "cols",
-        "duplicates",
-        "generation",
-        "last_seen",
-        "last_step",
-        "late",
-        "node",
-        "rank",
-        "run",
-        "total_steps",
-        "window",
-    )
-
-    def __init__(self, rank: int, node: str, cols: StepColumns) -> None:
-        self.rank = rank
-        self.node = node
-        self.cols = cols
-        self.col = cols.take(rank)
-        self.window = cols.window
-        self.generation = 0
-        self.run = 0
-        self.last_step = -1
-        self.last_seen = 0.0
-        self.total_steps = 0
-        self.duplicates = 0
-        self.late = 0
-
-    @property
-    def steps(self) -> list[int]:
-        """The steps its column holds, by row (-1: none)."""
-        return [int(s) for s in self.cols.step[:, self.col]]
-
-    def add(
-        self, into: StepsApplied, step: int, end_ts: float, step_s: float, compute_s: float,
-        allreduce_s: float, optimizer_s: float, data_s: float,
-    ) -> None:  # fmt: skip
-        """One step into its row of the column, counted in ``into`` as accepted, a
-        duplicate (its row holds it already) or late (older than the window)."""
-        if step <= self.last_step - self.window:
-            self.late += 1
-            into.late += 1
-            return
-        cols, col, window = self.cols, self.col, self.window
-        slot = step % window
-        steps = cols.w_step
-        if steps[slot, col] == step:
-            self.duplicates += 1
-            into.duplicate += 1
-            return
-        steps[slot, col] = step
-        cols.w_end_ts[slot, col] = end_ts
-        t = cols.w_timings  # [field * window + slot, col]
-        t[slot, col] = step_s
-        t[window + slot, col] = compute_s
-        t[2 * window + slot, col] = allreduce_s
-        t[3 * window + slot, col] = optimizer_s
-        t[4 * window + slot, col] = data_s
-        if step > self.last_step:
-            self.last_step = step
-        self.total_steps += 1
-        into.accepted += 1
-
-    def busy_at(self, step: int) -> float | None:
-        """Time the rank spent on ``step`` other than waiting for its peers (the step
-        minus the all-reduce wait), or None if the step is not held."""
-        cols, col = self.cols, self.col
-        slot = step % self.window
-        if cols.step[slot, col] != step:
-            return None
-        return float(cols.timings[0, slot, col] - cols.timings[2, slot, col])
-
-    def new_run(self, run: int) -> None:
-        """The job's launcher started it again: generations from 0, steps from its
-        checkpoint."""
-        self.reset()
-        self.run, self.generation = run, 0
-
-    def reset(self) -> None:
-        """Forget the held steps (kept: the counters, which only ever grow)."""
-        self.cols.step[:, self.col] = -1
-        self.last_step = -1
-
-    def recent(self, field_name: str = "compute_s", *, last: int | None = None) -> list[float]:
-        """Values of ``field_name`` for the held steps among the last ``last`` (default:
-        the whole window), oldest first. O(last): the ring is walked in step order."""
-        offset = TIMING_FIELDS.index(field_name)
-        n = self.window if last is None else min(last, self.window)
-        cols, col, window = self.cols, self.col, self.window
-        out = []
-        for step in range(max(0, self.last_step - n + 1), self.last_step + 1):
-            slot = step % window
-            if cols.step[slot, col] == step:
-                out.append(float(cols.timings[offset, slot, col]))
-        return out
 
 
 @dataclass
@@ -184,17 +83,6 @@ class NodeView:
     or reconnected then. A retained copy replayed on subscribing does not count."""
     live_seen: float = 0.0
     """When (daemon time) anything its agent published live last arrived."""
-
-
-class StepsApplied:
-    """Steps the view took, by outcome; one per message, added to by each batch."""
-
-    __slots__ = ("accepted", "duplicate", "late")
-
-    def __init__(self, accepted: int = 0, duplicate: int = 0, late: int = 0) -> None:
-        self.accepted = accepted
-        self.duplicate = duplicate
-        self.late = late
 
 
 class ClusterView:
@@ -306,9 +194,7 @@ class ClusterView:
         happen to it."""
         name = relayed.job
         ranks, generations, runs = relayed.rank, relayed.generation, relayed.run
-        columns = zip(relayed.step, relayed.end_ts, relayed.step_s, relayed.compute_s,
-                      relayed.allreduce_s, relayed.optimizer_s, relayed.data_s,
-                      strict=True)  # fmt: skip
+        columns = relayed.steps()
         taken: list[int] = []
         refused: list[tuple[int, ProtocolError]] = []
         job = self.jobs.get(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import secrets
 import socket
 import threading
 import time
@@ -76,17 +77,22 @@ class RawPublisher:
     Python costs a hundred, which on a shared machine is taken from the daemon the
     load is for. A thread reads the broker's PUBACKs; ``close`` waits for them all."""
 
-    def __init__(self, host: str, port: int, client_id: str, timeout_s: float = 10.0) -> None:
+    KEEPALIVE_S = 60
+    """Announced in CONNECT (mosquitto 2.0.12+ refuses a 3.1.1 client without one);
+    ``flush`` pings after half of it without a write."""
+
+    def __init__(self, host: str, port: int, client_id: str, timeout_s: float = 30.0) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ident = client_id.encode()
-        # Protocol "MQTT" level 4, clean session, no keep-alive (it only writes).
-        body = b"\x00\x04MQTT\x04\x02\x00\x00" + topic_field(ident)
+        ident = f"{client_id}-{secrets.token_hex(4)}".encode()
+        # Protocol "MQTT" level 4, clean session, the keep-alive, the client id.
+        body = b"\x00\x04MQTT\x04\x02" + self.KEEPALIVE_S.to_bytes(2, "big") + topic_field(ident)
         self._sock.sendall(b"\x10" + encode_length(len(body)) + body)
         connack = self._recv_exactly(4)
         if connack[0] != 0x20 or connack[3] != 0:
             raise ConnectionError(f"broker refused the connection: {connack.hex()}")
-        self._sock.settimeout(None)
+        # Sends time out (a stalled broker ends the run); the reader waits on.
+        self._wrote = time.monotonic()
         self._out = bytearray()
         self._topics: dict[str, bytes] = {}
         self._pid = 0
@@ -109,6 +115,8 @@ class RawPublisher:
         while True:
             try:
                 chunk = self._sock.recv(65536)
+            except TimeoutError:
+                continue  # nothing to read for a while: the broker has nothing to ack
             except OSError:
                 return
             if not chunk:
@@ -135,15 +143,23 @@ class RawPublisher:
         self._out += publish_packet(field, payload, retain=retain, pid=pid)
 
     def flush(self) -> None:
+        now = time.monotonic()
+        if not self._out and now - self._wrote > self.KEEPALIVE_S / 2:
+            self._out += b"\xc0\x00"  # PINGREQ: the broker hears from it within its keep-alive
         if self._out:
             self._sock.sendall(self._out)
             self._out.clear()
+            self._wrote = now
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is queued, wait for every PUBACK (up to ``timeout_s``), disconnect."""
         self.flush()
         deadline = time.monotonic() + timeout_s
-        while self.acked < self.sent_qos1 and time.monotonic() < deadline:
+        while (
+            self.acked < self.sent_qos1
+            and self._reader.is_alive()  # the broker is still there to ack
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         try:
             self._sock.sendall(b"\xe0\x00")  # DISCONNECT

@@ -455,8 +455,9 @@ def test_relayed_batches_land_as_the_same_batches_published_by_their_ranks() -> 
     straight into its column: the same view, the same counts and the same refusals as
     each batch through ``apply_steps``, over every case it must hand on: new ranks,
     steps twice and too late, several steps a batch, a rank placed on another machine,
-    a new generation that rolled back, one of an older generation, a new run, and a
-    rank beyond the job's size."""
+    a new generation that rolled back, one of an older generation, a new run, a rank
+    beyond the job's size, and a leaver's last batch of an earlier generation from the
+    machine it left."""
     # Rank 2 unplaced (a status that lists only some members): any agent may relay it.
     members = [wire.Member(0, "m0"), wire.Member(1, "m0"), wire.Member(3, "m1")]
     status = wire.JobStatus(ts=TS, job="j", generation=0, world_size=4, members=members)
@@ -470,44 +471,55 @@ def test_relayed_batches_land_as_the_same_batches_published_by_their_ranks() -> 
     messages = [
         [b(0, [1]), b(1, [1, 2]), b(2, [1])],  # new ranks
         [b(0, [2]), b(1, [2, 3]), b(3, [2]), b(2, [2, 3, 4])],  # a duplicate; 3 is on m1
-        [b(0, [3], gen=1), b(1, [1]), b(2, [14])],  # 1 too late for 2's ring after 14
+        # 0's new generation; 1's step 1 again; 2's step 5 too late after 14 (window 8)
+        [b(0, [3], gen=1), b(1, [1]), b(2, [14]), b(2, [5])],
         [b(0, [2], gen=1), b(1, [5]), b(2, [15]), b(1, [6], run=1)],  # 0 rolled back; new run
         [b(0, [9], gen=0), b(4, [1]), b(1, [1], run=0)],  # old generation; old run
         [b(2, [16], run=0), b(0, [3], gen=1)],  # rank 2 moved to m2; 0 is m0's
+        # After the job's generation 2 (below): from m1, rank 0's last batch of
+        # generation 1 (a leaver's, from where it ran) is taken, rank 1's of 2 is not.
+        [b(0, [4], gen=1), b(1, [7], gen=2, run=1)],
     ]
-    nodes = ["m0"] * 5 + ["m2"]  # the last relayed by m2's agent
+    nodes = ["m0"] * 5 + ["m2", "m1"]  # the sixth relayed by m2's agent, the last by m1's
     by_rank, relayed = ClusterView(window_steps=8), ClusterView(window_steps=8)
     for view in (by_rank, relayed):
         view.apply_job_status(status, TS)
-    for node, batches in zip(nodes, messages, strict=True):
+    for t, (node, batches) in enumerate(zip(nodes, messages, strict=True)):
+        now = TS + t  # so that a view not told when it heard of a rank shows
+        if t == len(messages) - 1:
+            newer = msgspec.structs.replace(status, generation=2)
+            for view in (by_rank, relayed):
+                view.apply_job_status(newer, now - 0.5)
+        job = by_rank.jobs["j"]
         refusals, want_counts = [], StepsApplied()
         for i, batch_ in enumerate(batches):
-            if by_rank.jobs["j"].members.get(batch_.rank, node) != node:
+            placed = job.members.get(batch_.rank, node)
+            if placed != node and batch_.generation >= job.generation:
                 refusals.append((i, "mismatch"))
                 continue
             try:
                 by_rank.apply_steps("j", batch_.rank, node, batch_.generation, batch_.run,
-                                    batch_.rows(), TS, want_counts)  # fmt: skip
+                                    batch_.rows(), now, want_counts)  # fmt: skip
             except ProtocolError as exc:
                 refusals.append((i, exc.reason))
         (columns,) = wire.RelayedBatches.of(batches)
         counts = StepsApplied()
-        taken, refused = relayed.apply_relayed(columns, node, TS, counts)
+        taken, refused = relayed.apply_relayed(columns, node, now, counts)
         assert [(i, exc.reason) for i, exc in refused] == refusals
         assert sorted(taken + [i for i, _ in refused]) == list(range(len(batches)))
-        assert vars_of(counts) == vars_of(want_counts)
+        assert counts == want_counts
+    assert refusals == [(1, "mismatch")]  # the last message: rank 0's taken
     want, got = by_rank.jobs["j"], relayed.jobs["j"]
     assert sorted(got.ranks) == sorted(want.ranks) == [0, 1, 2]
+    assert (got.last_seen, got.held) == (want.last_seen, want.held)
+    assert (relayed.held_ranks, relayed.total_ranks) == (by_rank.held_ranks, by_rank.total_ranks)
+    assert sum(state.late for state in got.ranks.values()) > 0  # the cases above happened
     for r, state in want.ranks.items():
         mine = got.ranks[r]
         for name in ("generation", "run", "last_step", "total_steps", "duplicates", "late",
-                     "node", "steps"):  # fmt: skip
+                     "node", "steps", "last_seen"):  # fmt: skip
             assert getattr(mine, name) == getattr(state, name), (r, name)
         for step in state.steps:
             if step >= 0:
                 assert mine.busy_at(step) == state.busy_at(step)
     assert (got.cols.timings[:, :, : got.cols.n] == want.cols.timings[:, :, : want.cols.n]).all()
-
-
-def vars_of(counts: StepsApplied) -> tuple[int, int, int]:
-    return counts.accepted, counts.duplicate, counts.late
