@@ -72,8 +72,8 @@ class Observer:
             assert time.monotonic() < deadline, "the sentinel never came back"
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def test_migration_over_mqtt_with_telemetry(tmp_path: Path, own_broker: Mosquitto) -> None:
@@ -166,8 +166,8 @@ def test_a_command_sent_once_the_channel_exists_is_never_lost(own_broker: Mosqui
                 channel.close()
         assert lost == []
     finally:
-        pub.loop_stop()
         pub.disconnect()
+        pub.loop_stop()
 
 
 def test_retained_and_stale_commands_are_ignored_and_counted(own_broker: Mosquitto) -> None:
@@ -206,5 +206,5 @@ def test_retained_and_stale_commands_are_ignored_and_counted(own_broker: Mosquit
     finally:
         channel.close()
         pub.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)  # clear it
-        pub.loop_stop()
         pub.disconnect()
+        pub.loop_stop()
