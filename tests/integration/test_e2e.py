@@ -33,7 +33,7 @@ from tests.conftest import need_tool
 from tests.helpers import Publisher
 from tests.integration import prometheus
 from tests.integration.e2e_train import SCRIPT
-from tests.integration.runtime_conftest_helpers import assert_same_as
+from tests.integration.runtime_conftest_helpers import assert_same_as, release
 from tmd import wire
 from tmd.runtime.control import standbys
 from tmd.runtime.launch import LocalJob
@@ -47,9 +47,11 @@ TOKEN = "e2e-token"
 JOB_TIMEOUT = timedelta(seconds=180)
 # --no-noise: a failed-over rank continues with its donor's RNG streams, and every
 # test compares with the same reference.
-STEP_S = 0.1  # each step sleeps this long: the floor of a step's time
+STEP_S = 0.1  # each step sleeps this long, held: the floor of a step's time
 SLOW_S = 0.15  # what a straggler adds to each of its steps
-ARGS = ["--no-noise", "--sleep", str(STEP_S), "--shadow-steps", "2"]
+# Held (STEP_S a step) until the test saw what it waits for (``Stack.finish``), then
+# the job runs its last steps at full speed: sleeping changes no number.
+ARGS = ["--no-noise", "--sleep", "0", "--held-sleep", str(STEP_S), "--shadow-steps", "2"]
 
 
 def _reference(out: Path, nproc: int) -> Path:
@@ -185,8 +187,9 @@ class Stack:
         self, *extra: str, env: dict[str, str] | None = None, nproc: int = NPROC,
         per_node: int = 1,
     ) -> LocalJob:  # fmt: skip
+        (self.out / "hold").touch()
         cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--out", str(self.out), *ARGS,
-               *extra]  # fmt: skip
+               "--hold", str(self.out / "hold"), *extra]  # fmt: skip
         self.nproc = nproc
         self.job = LocalJob(
             cmd, nproc=nproc, standby=1, nproc_per_node=per_node, job=self.name,
@@ -204,9 +207,11 @@ class Stack:
                  "the daemon to see the standby", 30)  # fmt: skip
 
     def finish(self, reference: Path) -> dict[str, int]:
-        """Wait for the job to end and the daemon to have handled all it sent (so what
-        the journal lacks now, it will never have); compare with the reference."""
+        """Let the job run its last steps at full speed, wait for it to end and the
+        daemon to have handled all it sent (so what the journal lacks now, it will never
+        have); compare with the reference."""
         assert self.job is not None
+        release(self.out)
         codes = self.job.wait(JOB_TIMEOUT)
         if self.daemon is not None:
             self.settle()
