@@ -148,11 +148,14 @@ def run_job(
 ) -> Any:
     """Start the script as a job writing to ``out``. ``held``: its steps run slowly
     (``--held-sleep`` each) until ``release(out)``, so a test's sequence of commands
-    is over before the job's last step however loaded the machine is."""
+    is over before the job's last step however loaded the machine is; then at full
+    speed (``--sleep 0`` unless ``extra`` says otherwise)."""
     from tmd.runtime.launch import LocalJob
 
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--out", str(out), *(extra or [])]
+    full_speed = ["--sleep", "0"] if held else []
+    cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--out", str(out), *full_speed,
+           *(extra or [])]  # fmt: skip
     if held:
         (out / "hold").touch()
         cmd += ["--hold", str(out / "hold")]
