@@ -12,6 +12,7 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from tests.integration.conftest import Undisturbed
 from tests.integration.runtime_conftest_helpers import assert_same_as, release, run_job
 from tmd import wire
 from tmd.runtime.control import standbys
@@ -76,11 +77,10 @@ class Observer:
         self.client.loop_stop()
 
 
-def test_migration_over_mqtt_with_telemetry(tmp_path: Path, own_broker: Mosquitto) -> None:
-    reference = tmp_path / "reference"
-    ref = run_job(reference, nproc=NPROC, steps=STEPS)
-    assert set(ref.wait(timedelta(seconds=120)).values()) == {0}
-
+def test_migration_over_mqtt_with_telemetry(
+    tmp_path: Path, own_broker: Mosquitto, undisturbed: Undisturbed
+) -> None:
+    reference = undisturbed(NPROC, STEPS, quiet=False)
     observer = Observer(own_broker.port)
     out = tmp_path / "migrated"
     # Slow steps (sleeping changes no number) until the switch: the workers must not
