@@ -1,25 +1,28 @@
 """End to end: a real mosquitto, the real daemon (``tmd run``, its own process), a real
-three-rank gloo job with one standby, over real MQTT and HTTP.
+three-rank gloo job (four in (b) and (d)) with one standby, over real MQTT and HTTP.
 
 (a) a slow machine is found and rebalanced at the next tick, while a real Prometheus
 scrapes the daemon with the shipped scrape config and rules, and then every panel of the
-shipped dashboard is queried (``tests/integration/prometheus.py``); (b) a killed rank fails
-over; (c) an alert labelled as dcgm-exporter's scrape labels it (``instance``,
-``Hostname``, ``job="dcgm-exporter"``) comes through the real Alertmanager webhook and
-the named machine moves; and on machines of two ranks each, (d) ``tmd agent`` on the
-fake NVML of machine ``worker1`` reports a fatal XID on GPU 1 and the whole machine
-moves. Every job ends with the parameters of an unmigrated reference run. Tested
-elsewhere, once: the daemon SIGKILLed mid-migration (``test_faults.py``); dry run
-(the actuator journals and sends nothing: ``tests/unit/daemon/actuator``); every kind
-of failure against a simulated cluster (``test_sim_live.py``).
+shipped dashboard is queried (``tests/integration/prometheus.py``); (b) a killed rank
+fails over, replaced by the runtime from a replica, and the daemon journals it; (c) an
+alert labelled as dcgm-exporter's scrape labels it (``instance``, ``Hostname``,
+``job="dcgm-exporter"``) comes through the real Alertmanager webhook and the named
+machine moves; and on machines of two ranks each, (d) ``tmd agent`` on the fake NVML of
+machine ``worker1`` reports a fatal XID on GPU 1 and the whole machine moves. Every job
+ends with the parameters of an unmigrated reference run. Tested elsewhere, once: the
+daemon SIGKILLed mid-migration (``test_faults.py``); dry run (the actuator journals and
+sends nothing: ``tests/unit/daemon/actuator``); every kind of failure against a
+simulated cluster (``test_sim_live.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,7 +30,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as paho
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.conftest import need_tool
 from tests.helpers import Publisher
@@ -155,6 +160,25 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float, poll: float 
             return result
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(poll)
+
+
+@contextlib.contextmanager
+def acks_of(broker: Mosquitto, job: str) -> Iterator[list[wire.Ack]]:
+    """The answers ``job`` publishes while the block runs, subscribed before it starts."""
+    got: list[wire.Ack] = []
+    subscribed = threading.Event()
+    client = paho.Client(CallbackAPIVersion.VERSION2)
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.on_message = lambda _c, _u, m: got.append(wire.decode(m.payload, wire.Ack))
+    client.connect(broker.host, broker.port)
+    client.subscribe(wire.job_topic(job, "ack"), qos=1)
+    client.loop_start()
+    try:
+        assert subscribed.wait(10), "no SUBACK"
+        yield got
+    finally:
+        client.disconnect()
+        client.loop_stop()
 
 
 class Stack:
@@ -385,26 +409,37 @@ def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Pat
     )  # fmt: skip
 
 
-def test_a_killed_rank_fails_over(stack: Stack, reference: Path) -> None:
+def test_a_killed_rank_fails_over(stack: Stack, reference4: Path) -> None:
+    """Rank 1 of four dies mid-step, before its all-reduce. Four ranks, so that some
+    survivors are not ring neighbours of the dead rank: their collective hangs instead
+    of failing, and must be interrupted."""
     daemon = stack.start_daemon()
-    job = stack.start_job("--kill-rank", "1", "--kill-step", "60")
-    stack.standby_ready()
-    [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
+    with acks_of(stack.broker, stack.name) as acks:
+        job = stack.start_job("--kill-rank", "1", "--kill-step", "60", nproc=4)
+        stack.standby_ready()
+        [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
+        # The donor told what happened (which the daemon journals): its switch after
+        # step 60, into the first generation.
+        answers = wait_for(lambda: [a for a in acks if a.migration_id == "failover-g0"],
+                           "the donor's answer", 10)  # fmt: skip
+    assert [(a.node, a.kind, a.generation, a.at_step) for a in answers] == [
+        ("worker0", "switched", 1, 61)
+    ]
     assert (done["node"], done["to"], done["outcome"]) == ("worker1", "standby0", "done")
     # The donor's failed step: detection, rebuilding the group, the transfer, the re-run.
     assert_plausible_downtime(done, step_s=STEP_S, upper_s=50 * STEP_S)
     [row] = daemon.get(f"/api/v1/status?job={stack.name}&ranks=0")["migrations"]
     assert row["reason"].startswith("the runtime replaced lost rank 1")
-    codes = stack.finish(reference)
+    codes = stack.finish(reference4)
+    # Step 60 was finished by the standby (the killed process wrote no loss), and
+    # nothing was rolled back.
+    assert_same_as(stack.out, reference4, 4, losses_from=60)
     assert len(finished(daemon)) == 1
     assert codes["worker1"] == -signal.SIGKILL
     assert {c for n, c in codes.items() if n != "worker1"} == {0}
     status = job.status()
-    assert status is not None and [m.node for m in status.members] == [
-        "worker0",
-        "standby0",
-        "worker2",
-    ]
+    assert status is not None and status.generation == 1
+    assert [m.node for m in status.members] == ["worker0", "standby0", "worker2", "worker3"]
 
 
 def test_a_dcgm_alert_through_the_webhook_moves_the_named_machine(
