@@ -8,6 +8,7 @@ those of an unslowed run; a standby that takes the slow node's place is not slow
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -33,4 +34,7 @@ if __name__ == "__main__":
             return mse_loss(*args, **kwargs)
 
         torch.nn.functional.mse_loss = slow_loss
+    # Everything loaded so far (torch) lives until the process ends: frozen, the
+    # collector leaves it alone, at exit too (see runtime_conftest_helpers).
+    gc.freeze()
     train(sys.argv[1:])

@@ -17,6 +17,7 @@ rank's losses.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -209,4 +210,7 @@ def train(argv: list[str]) -> None:
 if __name__ == "__main__":
     from tmd.runtime import run
 
+    # Everything loaded so far (torch) lives until the process ends: frozen, the
+    # collector leaves it alone, at exit too (a job's end was 1 to 2 s slower).
+    gc.freeze()
     run(train, sys.argv[1:])

@@ -1,10 +1,15 @@
 """``tmd bench downtime`` at its smallest sizes (1 layer): 2 ranks on machines of one
-process (the size that once divided by zero); with ``--machine-only``, 4 ranks on
-machines of two, moved and lost whole; with ``--parallel hsdp``, the same machines
-of an HSDP job, moved live and restarted from a sharded checkpoint. Each finishes,
-every downtime is within plausible bounds, each breakdown adds up to its total, the
-ratios are finite, and every method trained exactly the reference job. The numbers
-themselves, targets included, are the benchmark's business."""
+process (the size that once divided by zero); with ``--parallel hsdp``, 4 ranks on
+machines of two of an HSDP job, moved live, restarted from a sharded checkpoint and lost
+whole. Each finishes, every downtime is within plausible bounds, each breakdown adds up
+to its total, the ratios are finite, and every method trained exactly the reference
+job. The numbers themselves, targets included, are the benchmark's business.
+
+Not run here: ``--nproc-per-node 2`` of a plain job (the ``machine`` object). Its runs
+are measured by the functions the HSDP run is held to these checks by at two ranks a
+machine (``_migration``, ``_checkpoint_restart``, ``_failover``, ``_live_fields``,
+``machine_shortfalls``), its live migration, not held, as on machines of one process;
+a machine of a plain job moved, lost and restarted is ``test_runtime_machines``'."""
 
 from __future__ import annotations
 
@@ -43,13 +48,12 @@ def result(started: tuple[subprocess.Popen[bytes], IO[bytes], IO[bytes]]) -> dic
 
 
 def test_the_smallest_downtime_benches_measure_every_method_consistently() -> None:
-    """One after another: at once, on two cores, the three took 197 to 250 s in CI
-    against 159 s in turn (their processes' waits stretch under contention). Their
+    """One after another: at once, on two cores, three such runs took 197 to 250 s in
+    CI against 159 s in turn (their processes' waits stretch under contention). Their
     numbers are the benchmark's business, not this test's, and every bound below
     holds however loaded the machine is."""
     for args, check in (
         (("--nproc", "2"), machines_of_one_process),
-        (("--nproc", "4", "--nproc-per-node", "2", "--machine-only"), machines_of_two_ranks),
         (("--nproc", "4", "--parallel", "hsdp"), a_wrapped_job),
     ):
         started = start(*args)
@@ -89,38 +93,6 @@ def machines_of_one_process(r: dict[str, Any]) -> None:
     assert r["machine"] is None  # machines of one process only
 
 
-def machines_of_two_ranks(r: dict[str, Any]) -> None:
-    """``--machine-only``: a machine of two ranks moved, restarted and lost whole."""
-    assert "live" not in r  # the runs on machines of one process were skipped
-    m = r["machine"]
-    assert m["nproc_per_node"] == 2
-    noise = m["step_noise_s"]
-    assert noise is not None and noise >= 0
-    # Live: both ranks of worker1 moved to the standby machine's two slots.
-    assert -(noise + m["median_step_s"]) <= m["downtime_s"] < 60
-    parts = m["breakdown"]
-    assert parts["parts_sum_s"] == pytest.approx(parts["total_s"], abs=1e-9)
-    assert parts["total_s"] == m["runtime_downtime_s"]
-    # Failover: both processes of worker1 died mid-step; the standby machine's two
-    # slots finished that step.
-    failover = m["failover"]
-    assert m["failover_downtime_s"] == failover["downtime_s"]
-    assert -(noise + failover["median_step_s"]) <= failover["downtime_s"] < 60
-    parts = failover["breakdown"]
-    assert parts["parts_sum_s"] == pytest.approx(parts["total_s"], abs=1e-9)
-    assert parts["total_s"] == failover["runtime_downtime_s"]
-    assert failover["ranks_completing_step"] == [0, 1, 2, 3]
-    assert failover["exit_codes"]["worker1/0"] == failover["exit_codes"]["worker1/1"] == -9
-    restart = m["checkpoint_restart"]
-    assert sum(restart["breakdown"].values()) == pytest.approx(restart["downtime_s"], abs=1e-6)
-    assert restart["downtime_s"] > m["downtime_s"] + noise
-    assert m["ratio_checkpoint_restart_vs_noise"] > 1
-    assert math.isfinite(failover["ratio_checkpoint_restart_vs_noise"])
-    assert m["loss_match"] and m["loss_match_checkpoint_restart"] and m["loss_match_failover"]
-    assert math.isfinite(m["stayer_rss_overhead"])
-    assert m["holds_target"] == (m["shortfalls"] == [])
-
-
 def a_wrapped_job(r: dict[str, Any]) -> None:
     """``--parallel hsdp``: worker1 (two ranks of an HSDP job) moved live; the job
     checkpoint-restarted from its sharded checkpoint; worker1 lost mid-backward and
@@ -137,13 +109,18 @@ def a_wrapped_job(r: dict[str, Any]) -> None:
     restart = m["checkpoint_restart"]
     assert sum(restart["breakdown"].values()) == pytest.approx(restart["downtime_s"], abs=1e-6)
     assert restart["downtime_s"] > m["downtime_s"] + noise
+    assert m["ratio_checkpoint_restart_vs_noise"] > 1
     assert m["loss_match"] and m["loss_match_checkpoint_restart"]
     assert m["live_steps"] >= 14  # held until its switch, then a few steps more
     failover = m["failover"]
     assert m["failover_downtime_s"] == failover["downtime_s"]
     assert -(noise + failover["median_step_s"]) <= failover["downtime_s"] < 60
+    parts = failover["breakdown"]
+    assert parts["parts_sum_s"] == pytest.approx(parts["total_s"], abs=1e-9)
+    assert parts["total_s"] == failover["runtime_downtime_s"]
     assert failover["ranks_completing_step"] == [0, 1, 2, 3]
     assert failover["exit_codes"]["worker1/0"] == failover["exit_codes"]["worker1/1"] == -9
+    assert math.isfinite(failover["ratio_checkpoint_restart_vs_noise"])
     assert m["loss_match_failover"]
     assert not any(s.startswith("failover not measured") for s in m["shortfalls"])
     assert math.isfinite(m["stayer_rss_overhead"])

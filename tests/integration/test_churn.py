@@ -90,8 +90,8 @@ def publish(host: str, port: int, start: int, stop: int, go: Any) -> None:
                 last = client.publish(topic, payload, qos=0)
         if last is not None:
             last.wait_for_publish(60)
-    client.loop_stop()
     client.disconnect()
+    client.loop_stop()
 
 
 def received(daemon: Daemon) -> int:

@@ -1,25 +1,28 @@
 """End to end: a real mosquitto, the real daemon (``tmd run``, its own process), a real
-three-rank gloo job with one standby, over real MQTT and HTTP.
+three-rank gloo job (four in (b) and (d)) with one standby, over real MQTT and HTTP.
 
 (a) a slow machine is found and rebalanced at the next tick, while a real Prometheus
 scrapes the daemon with the shipped scrape config and rules, and then every panel of the
-shipped dashboard is queried (``tests/integration/prometheus.py``); (b) a killed rank fails
-over; (c) an alert labelled as dcgm-exporter's scrape labels it (``instance``,
-``Hostname``, ``job="dcgm-exporter"``) comes through the real Alertmanager webhook and
-the named machine moves; and on machines of two ranks each, (d) ``tmd agent`` on the
-fake NVML of machine ``worker1`` reports a fatal XID on GPU 1 and the whole machine
-moves. Every job ends with the parameters of an unmigrated reference run. Tested
-elsewhere, once: the daemon SIGKILLed mid-migration (``test_faults.py``); dry run
-(the actuator journals and sends nothing: ``tests/unit/daemon/actuator``); every kind
-of failure against a simulated cluster (``test_sim_live.py``).
+shipped dashboard is queried (``tests/integration/prometheus.py``); (b) a killed rank
+fails over, replaced by the runtime from a replica, and the daemon journals it; (c) an
+alert labelled as dcgm-exporter's scrape labels it (``instance``, ``Hostname``,
+``job="dcgm-exporter"``) comes through the real Alertmanager webhook and the named
+machine moves; and on machines of two ranks each, (d) ``tmd agent`` on the fake NVML of
+machine ``worker1`` reports a fatal XID on GPU 1 and the whole machine moves. Every job
+ends with the parameters of an unmigrated reference run. Tested elsewhere, once: the
+daemon SIGKILLed mid-migration (``test_faults.py``); dry run (the actuator journals and
+sends nothing: ``tests/unit/daemon/actuator``); every kind of failure against a
+simulated cluster (``test_sim_live.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,13 +30,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as paho
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.conftest import need_tool
 from tests.helpers import Publisher
 from tests.integration import prometheus
 from tests.integration.e2e_train import SCRIPT
-from tests.integration.runtime_conftest_helpers import assert_same_as
+from tests.integration.runtime_conftest_helpers import assert_same_as, release
 from tmd import wire
 from tmd.runtime.control import standbys
 from tmd.runtime.launch import LocalJob
@@ -47,9 +52,11 @@ TOKEN = "e2e-token"
 JOB_TIMEOUT = timedelta(seconds=180)
 # --no-noise: a failed-over rank continues with its donor's RNG streams, and every
 # test compares with the same reference.
-STEP_S = 0.1  # each step sleeps this long: the floor of a step's time
+STEP_S = 0.1  # each step sleeps this long, held: the floor of a step's time
 SLOW_S = 0.15  # what a straggler adds to each of its steps
-ARGS = ["--no-noise", "--sleep", str(STEP_S), "--shadow-steps", "2"]
+# Held (STEP_S a step) until the test saw what it waits for (``Stack.finish``), then
+# the job runs its last steps at full speed: sleeping changes no number.
+ARGS = ["--no-noise", "--sleep", "0", "--held-sleep", str(STEP_S), "--shadow-steps", "2"]
 
 
 def _reference(out: Path, nproc: int) -> Path:
@@ -155,6 +162,25 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float, poll: float 
         time.sleep(poll)
 
 
+@contextlib.contextmanager
+def acks_of(broker: Mosquitto, job: str) -> Iterator[list[wire.Ack]]:
+    """The answers ``job`` publishes while the block runs, subscribed before it starts."""
+    got: list[wire.Ack] = []
+    subscribed = threading.Event()
+    client = paho.Client(CallbackAPIVersion.VERSION2)
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.on_message = lambda _c, _u, m: got.append(wire.decode(m.payload, wire.Ack))
+    client.connect(broker.host, broker.port)
+    client.subscribe(wire.job_topic(job, "ack"), qos=1)
+    client.loop_start()
+    try:
+        assert subscribed.wait(10), "no SUBACK"
+        yield got
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
 class Stack:
     def __init__(self, tmp: Path, broker: Mosquitto, job: str) -> None:
         self.tmp, self.broker, self.name = tmp, broker, job
@@ -185,8 +211,9 @@ class Stack:
         self, *extra: str, env: dict[str, str] | None = None, nproc: int = NPROC,
         per_node: int = 1,
     ) -> LocalJob:  # fmt: skip
+        (self.out / "hold").touch()
         cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--out", str(self.out), *ARGS,
-               *extra]  # fmt: skip
+               "--hold", str(self.out / "hold"), *extra]  # fmt: skip
         self.nproc = nproc
         self.job = LocalJob(
             cmd, nproc=nproc, standby=1, nproc_per_node=per_node, job=self.name,
@@ -204,9 +231,11 @@ class Stack:
                  "the daemon to see the standby", 30)  # fmt: skip
 
     def finish(self, reference: Path) -> dict[str, int]:
-        """Wait for the job to end and the daemon to have handled all it sent (so what
-        the journal lacks now, it will never have); compare with the reference."""
+        """Let the job run its last steps at full speed, wait for it to end and the
+        daemon to have handled all it sent (so what the journal lacks now, it will never
+        have); compare with the reference."""
         assert self.job is not None
+        release(self.out)
         codes = self.job.wait(JOB_TIMEOUT)
         if self.daemon is not None:
             self.settle()
@@ -380,26 +409,37 @@ def test_a_straggler_is_rebalanced_at_the_next_tick(stack: Stack, reference: Pat
     )  # fmt: skip
 
 
-def test_a_killed_rank_fails_over(stack: Stack, reference: Path) -> None:
+def test_a_killed_rank_fails_over(stack: Stack, reference4: Path) -> None:
+    """Rank 1 of four dies mid-step, before its all-reduce. Four ranks, so that some
+    survivors are not ring neighbours of the dead rank: their collective hangs instead
+    of failing, and must be interrupted."""
     daemon = stack.start_daemon()
-    job = stack.start_job("--kill-rank", "1", "--kill-step", "60")
-    stack.standby_ready()
-    [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
+    with acks_of(stack.broker, stack.name) as acks:
+        job = stack.start_job("--kill-rank", "1", "--kill-step", "60", nproc=4)
+        stack.standby_ready()
+        [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
+        # The donor told what happened (which the daemon journals): its switch after
+        # step 60, into the first generation.
+        answers = wait_for(lambda: [a for a in acks if a.migration_id == "failover-g0"],
+                           "the donor's answer", 10)  # fmt: skip
+    assert [(a.node, a.kind, a.generation, a.at_step) for a in answers] == [
+        ("worker0", "switched", 1, 61)
+    ]
     assert (done["node"], done["to"], done["outcome"]) == ("worker1", "standby0", "done")
     # The donor's failed step: detection, rebuilding the group, the transfer, the re-run.
     assert_plausible_downtime(done, step_s=STEP_S, upper_s=50 * STEP_S)
     [row] = daemon.get(f"/api/v1/status?job={stack.name}&ranks=0")["migrations"]
     assert row["reason"].startswith("the runtime replaced lost rank 1")
-    codes = stack.finish(reference)
+    codes = stack.finish(reference4)
+    # Step 60 was finished by the standby (the killed process wrote no loss), and
+    # nothing was rolled back.
+    assert_same_as(stack.out, reference4, 4, losses_from=60)
     assert len(finished(daemon)) == 1
     assert codes["worker1"] == -signal.SIGKILL
     assert {c for n, c in codes.items() if n != "worker1"} == {0}
     status = job.status()
-    assert status is not None and [m.node for m in status.members] == [
-        "worker0",
-        "standby0",
-        "worker2",
-    ]
+    assert status is not None and status.generation == 1
+    assert [m.node for m in status.members] == ["worker0", "standby0", "worker2", "worker3"]
 
 
 def test_a_dcgm_alert_through_the_webhook_moves_the_named_machine(

@@ -124,8 +124,8 @@ async def test_tls_and_password(
         pub.publish(wire.iter_topic("tls", 0), wire.encode(batch), qos=1).wait_for_publish(5)
         await eventually(lambda: "tls" in daemon.view.jobs)
     finally:
-        pub.loop_stop()
         pub.disconnect()
+        pub.loop_stop()
 
 
 async def test_wrong_password_keeps_retrying_unready_and_unhealthy(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import Undisturbed
 from tests.integration.runtime_conftest_helpers import assert_same_as, release, run_job
 from tmd.runtime import EX_RESTART, JobController
 
@@ -26,11 +27,9 @@ JOB_TIMEOUT = timedelta(seconds=150)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("reference")
-    job = run_job(out, nproc=NPROC, nproc_per_node=PER_NODE, steps=STEPS, extra=["--no-noise"])
-    assert set(job.wait(JOB_TIMEOUT).values()) == {0}
-    return out
+def reference(undisturbed: Undisturbed) -> Path:
+    # A rank's numbers depend on its rank and the world, not on its machine.
+    return undisturbed(NPROC, STEPS, quiet=True)
 
 
 def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(
@@ -83,20 +82,14 @@ def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(
 )
 def test_a_lost_machine_is_replaced_from_replicas_without_rollback(
     tmp_path: Path, reference: Path, jobs: list[object], killed: list[int], nproc: int,
-    per_node: int, standby: int, replaced: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
+    per_node: int, standby: int, replaced: dict[str, str], undisturbed: Undisturbed,
 ) -> None:  # fmt: skip
     kill = [a for r in killed for a in ("--kill-rank", str(r))]
     extra = ["--no-noise", "--kill-step", "20", "--detect-timeout", "5"]
     job = run_job(tmp_path, nproc=nproc, nproc_per_node=per_node, standby=standby, steps=STEPS,
                   extra=[*extra, *kill])  # fmt: skip
     jobs.append(job)
-    if nproc == NPROC:
-        ref = reference  # a rank's numbers depend on its rank and the world, not its machine
-    else:
-        ref = tmp_path_factory.mktemp("ref")
-        undisturbed = run_job(ref, nproc=nproc, steps=STEPS, extra=["--no-noise"])
-        assert set(undisturbed.wait(JOB_TIMEOUT).values()) == {0}
+    ref = reference if nproc == NPROC else undisturbed(nproc, STEPS, quiet=True)
     job.wait(JOB_TIMEOUT)
 
     status = JobController(job.store, job="job").status()

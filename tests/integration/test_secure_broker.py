@@ -98,8 +98,8 @@ class Client:
                 return got
 
     def close(self) -> None:
-        self.c.loop_stop()
         self.c.disconnect()
+        self.c.loop_stop()
 
 
 @pytest.fixture

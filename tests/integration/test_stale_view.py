@@ -62,8 +62,8 @@ def cluster(own_broker: Mosquitto) -> Iterator[threading.Event]:
     yield stop
     stop.set()
     thread.join()
-    client.loop_stop()
     client.disconnect()
+    client.loop_stop()
 
 
 def findings(daemon: Daemon) -> list[str]:
