@@ -16,6 +16,7 @@ from tmd.tools.bench.ingest import (
     percentile,
     process_cpu_s,
     relayed_ends,
+    search_max,
     shortfalls,
     step_latencies,
 )
@@ -125,3 +126,25 @@ def test_a_process_cpu_time_is_read_from_proc() -> None:
     mine, times = process_cpu_s(os.getpid()), os.times()
     assert mine == pytest.approx(times.user + times.system, abs=0.05)  # its user + system
     assert process_cpu_s(None) is None
+
+
+@pytest.mark.parametrize(
+    ("limit", "start", "expected"),
+    [
+        (40_000, 16_384, (36_864, 40_960)),  # start holds: doubled, then bisected
+        (10_500, 16_384, (10_240, 11_264)),  # start fails: halved until held, bisected
+        (0, 16_384, (0, 1)),  # nothing holds
+    ],
+)
+def test_the_search_brackets_the_largest_n_held_to_within_an_eighth(
+    limit: int, start: int, expected: tuple[int, int]
+) -> None:
+    tried: list[int] = []
+
+    def holds_at(n: int) -> bool:
+        tried.append(n)
+        return n <= limit
+
+    lo, hi = search_max(start, start <= limit, holds_at)
+    assert (lo, hi) == expected
+    assert hi is not None and (lo == 0 or hi - lo <= lo // 8)

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack, suppress
 from itertools import accumulate
 from multiprocessing.process import BaseProcess
@@ -288,7 +288,8 @@ def _search(
     host: str, port: int, start: int, start_holds: bool, flush_s: float, via: str,
     relay_sample: bool, broker_pid: int | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Double N from ``start`` until the target fails, then bisect to within 1/8."""
+    """Double N from ``start`` until the target fails (halve it while it fails), then
+    bisect to within 1/8."""
     tried: list[dict[str, Any]] = []
 
     def holds_at(n: int) -> bool:
@@ -311,7 +312,22 @@ def _search(
         tried.append({k: r[k] for k in keys})
         return holds(r)
 
+    lo, hi = search_max(start, start_holds, holds_at)
+    return {"search": tried, "max_ranks_held": lo, "smallest_ranks_failing": hi}
+
+
+def search_max(
+    start: int, start_holds: bool, holds_at: Callable[[int], bool]
+) -> tuple[int, int | None]:
+    """``(largest N held, smallest N failing)``: N doubled from ``start`` until the
+    target fails, or halved while it fails, then bisected to within 1/8. (0, 1): not
+    even one rank; (N, None): held up to 2^20."""
     lo, hi = (start, None) if start_holds else (0, start)
+    while not lo and hi is not None and hi > 1:  # halve until one holds
+        if holds_at(hi // 2):
+            lo = hi // 2
+        else:
+            hi //= 2
     while hi is None and lo < (1 << 20):
         if holds_at(lo * 2):
             lo *= 2
@@ -323,7 +339,7 @@ def _search(
             lo = mid
         else:
             hi = mid
-    return {"search": tried, "max_ranks_held": lo, "smallest_ranks_failing": hi}
+    return lo, hi
 
 
 def main(argv: list[str]) -> int:
