@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,13 @@ from tests.helpers import Publisher
 from tmd import config as config_mod
 from tmd.daemon.daemon import Daemon
 from tmd.tools.mosquitto import Mosquitto, find_mosquitto
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection loaded (torch, every test module) lives until the run ends:
+    frozen, the collector no longer walks it at each full collection (in the unit
+    tests' run, 62 of them took 13 s; 6 s frozen)."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -275,7 +275,8 @@ async def test_without_a_configured_token_mutations_are_refused(
 async def test_killed_agent_last_will_becomes_a_journaled_node_lost(
     broker: Mosquitto, start_daemon: DaemonFactory
 ) -> None:
-    daemon = await start_daemon(broker)
+    # Trusted 0.5 s after its probes came back in time (5 s by default).
+    daemon = await start_daemon(broker, ingest={"stale_settle_s": 0.5})
     agent = mp.get_context("spawn").Process(
         target=synth.heartbeat_agent, args=(broker.host, broker.port, "will-node"), daemon=True
     )

@@ -17,7 +17,6 @@ simulated cluster (``test_sim_live.py``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import subprocess
@@ -28,7 +27,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import paho.mqtt.client as paho
 import pytest
@@ -45,6 +44,8 @@ from tmd.runtime.launch import LocalJob
 from tmd.tools.mosquitto import Mosquitto, free_port
 
 pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
 
 NPROC = 3
 STEPS = 110
@@ -162,23 +163,44 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float, poll: float 
         time.sleep(poll)
 
 
-@contextlib.contextmanager
-def acks_of(broker: Mosquitto, job: str) -> Iterator[list[wire.Ack]]:
-    """The answers ``job`` publishes while the block runs, subscribed before it starts."""
-    got: list[wire.Ack] = []
-    subscribed = threading.Event()
-    client = paho.Client(CallbackAPIVersion.VERSION2)
-    client.on_subscribe = lambda *_: subscribed.set()
-    client.on_message = lambda _c, _u, m: got.append(wire.decode(m.payload, wire.Ack))
-    client.connect(broker.host, broker.port)
-    client.subscribe(wire.job_topic(job, "ack"), qos=1)
-    client.loop_start()
-    try:
+class Listener:
+    """Every message on the topics of job ``job``, from its creation (its subscription
+    confirmed) to ``close``, as a daemon would read them."""
+
+    def __init__(self, broker: Mosquitto, job: str) -> None:
+        self.prefix = f"{wire.PREFIX}/job/{job}/"
+        self.sentinel = f"tmd-test/listener/{job}"  # not a topic of the job's or the daemon's
+        self.seen: list[tuple[str, bytes]] = []
+        self._back = threading.Event()
+        subscribed = threading.Event()
+        self.client = paho.Client(CallbackAPIVersion.VERSION2)
+        self.client.on_subscribe = lambda *_: subscribed.set()
+        self.client.on_message = self._take
+        self.client.connect(broker.host, broker.port)
+        self.client.subscribe([(self.prefix + "#", 1), (self.sentinel, 1)])
+        self.client.loop_start()
         assert subscribed.wait(10), "no SUBACK"
-        yield got
-    finally:
-        client.disconnect()
-        client.loop_stop()
+
+    def _take(self, _c: Any, _u: Any, m: paho.MQTTMessage) -> None:
+        if m.topic == self.sentinel:
+            self._back.set()
+        else:
+            self.seen.append((m.topic, bytes(m.payload)))
+
+    def drain(self) -> None:
+        """Take in everything published before now: a QoS 1 sentinel comes back behind
+        it (the broker hands a subscriber its messages in the order it got them)."""
+        self._back.clear()
+        self.client.publish(self.sentinel, b"", qos=1).wait_for_publish(5)
+        assert self._back.wait(30), "the sentinel never came back"
+
+    def decoded(self, suffix: str, kind: type[T]) -> list[T]:
+        """The messages on the job's topics ending in ``suffix``, as ``kind``."""
+        return [wire.decode(p, kind) for t, p in list(self.seen) if t.endswith(suffix)]
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
 
 
 class Stack:
@@ -187,6 +209,7 @@ class Stack:
         self.daemon: Daemon | None = None
         self.job: LocalJob | None = None
         self.prometheus: prometheus.Prometheus | None = None
+        self.listener: Listener | None = None
         self.nproc = NPROC
         self.out = tmp / "out"
         self.out.mkdir()
@@ -266,7 +289,14 @@ class Stack:
         wait_for(lambda: daemon.events("Hold", job=sentinel),
                  "the actuator to hold the sentinel's migration", 30)  # fmt: skip
 
+    def listen(self) -> Listener:
+        """What the job publishes from now on (start it before the job)."""
+        self.listener = Listener(self.broker, self.name)
+        return self.listener
+
     def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
         if self.prometheus is not None:
             self.prometheus.stop()
         if self.job is not None:
@@ -414,14 +444,14 @@ def test_a_killed_rank_fails_over(stack: Stack, reference4: Path) -> None:
     survivors are not ring neighbours of the dead rank: their collective hangs instead
     of failing, and must be interrupted."""
     daemon = stack.start_daemon()
-    with acks_of(stack.broker, stack.name) as acks:
-        job = stack.start_job("--kill-rank", "1", "--kill-step", "60", nproc=4)
-        stack.standby_ready()
-        [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
-        # The donor told what happened (which the daemon journals): its switch after
-        # step 60, into the first generation.
-        answers = wait_for(lambda: [a for a in acks if a.migration_id == "failover-g0"],
-                           "the donor's answer", 10)  # fmt: skip
+    listener = stack.listen()
+    job = stack.start_job("--kill-rank", "1", "--kill-step", "60", nproc=4)
+    stack.standby_ready()
+    [done] = wait_for(lambda: finished(daemon), "the failover to be journaled", 90)
+    # The donor told what happened (which the daemon journals): its switch after step
+    # 60, into the first generation.
+    listener.drain()
+    answers = [a for a in listener.decoded("/ack", wire.Ack) if a.migration_id == "failover-g0"]
     assert [(a.node, a.kind, a.generation, a.at_step) for a in answers] == [
         ("worker0", "switched", 1, 61)
     ]
@@ -445,7 +475,11 @@ def test_a_killed_rank_fails_over(stack: Stack, reference4: Path) -> None:
 def test_a_dcgm_alert_through_the_webhook_moves_the_named_machine(
     stack: Stack, reference: Path
 ) -> None:
+    """... and the job's side of it on the wire: every process answers the switch, its
+    steps' telemetry comes through it (the joiner's as the rank it took over, none of
+    rank 0's dropped) and its last status says stopped."""
     daemon = stack.start_daemon()
+    listener = stack.listen()
     stack.start_job()
     stack.standby_ready()
     assert daemon.post("/api/v1/alerts", webhook(DCGM_ALERT)) == 202
@@ -464,3 +498,15 @@ def test_a_dcgm_alert_through_the_webhook_moves_the_named_machine(
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     assert "MIGRATIONS" in shown and "worker1" in shown and "done" in shown
+    listener.drain()  # every process has exited: all they sent is at the broker
+    switched = [a for a in listener.decoded("/ack", wire.Ack) if a.kind == "switched"]
+    assert {a.node for a in switched} == {"worker0", "worker1", "worker2", "standby0"}
+    statuses = listener.decoded("/status", wire.JobStatus)
+    assert statuses[-1].state == "stopped"
+    assert [m.node for m in statuses[-1].members] == ["worker0", "standby0", "worker2"]
+    batches = listener.decoded("/iter", wire.IterBatch)
+    by_node = {(b.node, b.rank, b.generation) for b in batches}
+    assert {("worker0", 0, 0), ("worker1", 1, 0), ("worker2", 2, 0)} <= by_node
+    assert ("standby0", 1, 1) in by_node  # the joiner reports as the rank it took over
+    steps = sorted(s.step for b in batches if b.rank == 0 for s in b.steps)
+    assert steps == list(range(1, STEPS + 1))  # every step of rank 0, none dropped

@@ -1,5 +1,6 @@
-"""Machines of several ranks, moved as one: live migration, abort and failover of a
-machine of two ranks in a real gloo job, driven by ``JobController``.
+"""Machines of several ranks, moved as one: abort, failover and restart of a machine of
+two ranks in a real gloo job, driven by ``JobController`` (its live migration, driven by
+the daemon, is ``test_e2e``'s).
 
 Each run ends with the parameters of every rank equal to an undisturbed run's and
 the same loss at every (rank, step).
@@ -30,40 +31,6 @@ JOB_TIMEOUT = timedelta(seconds=150)
 def reference(undisturbed: Undisturbed) -> Path:
     # A rank's numbers depend on its rank and the world, not on its machine.
     return undisturbed(NPROC, STEPS, quiet=True)
-
-
-def test_a_machine_of_two_ranks_migrates_as_one_and_an_abort_returns_both(
-    tmp_path: Path, reference: Path, jobs: list[object]
-) -> None:
-    job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
-                  extra=["--no-noise"], held=True)  # fmt: skip
-    jobs.append(job)
-    ctl = JobController(job.store, job="job")
-    everyone = NPROC + PER_NODE  # every process of the job and of the standby machine
-    ctl.wait_standbys("standby0", timeout=ACK_TIMEOUT)
-    # Prepared, then aborted: both ranks of worker1 stay, both slots stand by again.
-    ctl.prepare("m0", leaver="worker1", joiner="standby0")
-    ctl.wait_acks("m0", "prepared", count=everyone, timeout=ACK_TIMEOUT)
-    ctl.abort("m0", reason="test")
-    aborted = ctl.wait_acks("m0", "aborted", count=everyone, timeout=ACK_TIMEOUT)
-    assert {(a.node, a.local_rank) for a in aborted} >= {("worker1", 0), ("worker1", 1)}
-    # Then for real: the machine's two ranks go to the standby machine's two slots.
-    ctl.prepare("m1", leaver="worker1", joiner="standby0")
-    ctl.wait_acks("m1", "prepared", count=everyone, timeout=ACK_TIMEOUT)
-    ctl.switch("m1")
-    switched = ctl.wait_acks("m1", "switched", count=everyone, timeout=ACK_TIMEOUT)
-    release(tmp_path)
-    codes = job.wait(JOB_TIMEOUT)
-
-    assert set(codes.values()) == {0}, codes
-    joiners = {(a.local_rank, a.rank) for a in switched if a.node == "standby0" and a.downtime}
-    assert joiners == {(0, 2), (1, 3)}  # one-to-one by local rank
-    status = ctl.status()
-    assert status is not None and status.state == "stopped" and status.generation == 1
-    assert [(m.node, m.local_rank) for m in status.members] == [
-        ("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)
-    ]  # fmt: skip
-    assert_same_as(tmp_path, reference, NPROC)
 
 
 @pytest.mark.parametrize(
@@ -147,20 +114,29 @@ def test_a_restart_checkpoints_and_starts_again_without_the_machine(
     assert_same_as(tmp_path, reference, NPROC, losses_from=STEPS)
 
 
-def test_a_leaver_dying_while_its_machine_is_being_joined_is_failed_over_to_the_joiner(
+def test_an_aborted_migration_returns_both_ranks_and_a_leaver_dying_while_joined_fails_over(
     tmp_path: Path, reference: Path, jobs: list[object]
 ) -> None:
-    """The machine being replaced dies while the standby machine is joining it (its
-    slots wait on groups the dead machine will never complete): the joiner leaves the
-    migration at once and takes the dead machine's ranks in the survivors' failover,
-    within their wait for a ready standby; no restart, no rollback."""
+    """worker1's migration, prepared then aborted: both its ranks stay, both slots of the
+    standby machine stand by again. Then worker1 dies while the standby machine is
+    joining it (its slots wait on groups the dead machine will never complete): the
+    joiner leaves the migration at once and takes the dead machine's ranks in the
+    survivors' failover, within their wait for a ready standby; no restart, no
+    rollback."""
     from tmd.runtime.control import standbys
 
     job = run_job(tmp_path, nproc=NPROC, nproc_per_node=PER_NODE, standby=1, steps=STEPS,
                   extra=["--no-noise", "--detect-timeout", "5"], held=True)  # fmt: skip
     jobs.append(job)
     ctl = JobController(job.store, job="job")
+    everyone = NPROC + PER_NODE  # every process of the job and of the standby machine
     ctl.wait_standbys("standby0", timeout=ACK_TIMEOUT)
+    ctl.prepare("m0", leaver="worker1", joiner="standby0")
+    ctl.wait_acks("m0", "prepared", count=everyone, timeout=ACK_TIMEOUT)
+    ctl.abort("m0", reason="test")
+    aborted = ctl.wait_acks("m0", "aborted", count=everyone, timeout=ACK_TIMEOUT)
+    assert {(a.node, a.local_rank) for a in aborted} >= {("worker1", 0), ("worker1", 1)}
+    ctl.wait_standbys("standby0", timeout=ACK_TIMEOUT)  # both slots ready again
     ctl.prepare("m1", leaver="worker1", joiner="standby0")
     deadline = time.monotonic() + ACK_TIMEOUT.total_seconds()
     while not any(s.state == "joining" for s in standbys(job.store)):
@@ -172,6 +148,7 @@ def test_a_leaver_dying_while_its_machine_is_being_joined_is_failed_over_to_the_
 
     status = ctl.status()
     assert status is not None and status.state == "stopped", status
+    assert status.generation == 1
     assert [(m.node, m.local_rank) for m in status.members] == [
         ("worker0", 0), ("worker0", 1), ("standby0", 0), ("standby0", 1)
     ]  # fmt: skip
