@@ -139,12 +139,6 @@ def test_a_process_cpu_time_is_read_from_proc() -> None:
 def test_the_search_brackets_the_largest_n_held_to_within_an_eighth(
     limit: int, start: int, expected: tuple[int, int]
 ) -> None:
-    tried: list[int] = []
-
-    def holds_at(n: int) -> bool:
-        tried.append(n)
-        return n <= limit
-
-    lo, hi = search_max(start, start <= limit, holds_at)
+    lo, hi = search_max(start, start <= limit, lambda n: n <= limit)
     assert (lo, hi) == expected
     assert hi is not None and (lo == 0 or hi - lo <= lo // 8)
