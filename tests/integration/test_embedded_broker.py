@@ -5,7 +5,7 @@ packet costs only its sender the connection, a slow subscriber loses QoS 0 messa
 instead of growing the broker, and the daemon's ingest runs on it.
 
 Protocol violations are sent as raw bytes over a socket: real clients refuse to send
-them. Framing and topic matching are table-tested in tests/unit/tools/test_mqtt_codec.py."""
+them. Framing and topic matching are table-tested in tests/unit/test_mqtt_codec.py."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from tests.conftest import DaemonFactory
 from tests.helpers import Publisher, eventually
 from tests.integration.test_daemon import iter_batch
-from tests.unit.tools.test_mqtt_codec import EXPECTED, TOPICS
+from tests.unit.test_mqtt_codec import EXPECTED, TOPICS
 from tmd import wire
 from tmd.errors import TmdError
+from tmd.mqtt_codec import encode_length, packet_bounds
 from tmd.tools import brokers as broker_mod
 from tmd.tools.embedded_broker import BrokerConfig, EmbeddedBroker, MiniBroker
-from tmd.tools.mqtt_codec import encode_length, packet_bounds
 
 
 @pytest.fixture

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ("tmd.wire", "tmd.errors", "tmd.config", "tmd.log", "tmd.clock", "tmd.connection")
+SHARED = (
+    "tmd.wire",
+    "tmd.errors",
+    "tmd.config",
+    "tmd.log",
+    "tmd.clock",
+    "tmd.connection",
+    "tmd.mqtt_codec",
+)
 SHARED_ALL = (*SHARED, "tmd.sdnotify")
 PLUGIN_API = (
     "tmd.plugins",

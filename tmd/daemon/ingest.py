@@ -26,7 +26,7 @@ import aiomqtt
 from tmd import log, wire
 from tmd.clock import Clock
 from tmd.config import IngestConfig, MqttConfig
-from tmd.connection import ClientFactory, cancelling, reconnect_forever
+from tmd.connection import ClientFactory, cancelling, handle_qos0_inline, reconnect_forever
 from tmd.daemon.bus import Bus
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
@@ -94,6 +94,7 @@ class Ingest:
         self.subscribed = asyncio.Event()
         self.connected = False
         self._client_now: aiomqtt.Client | None = None
+        self._lane_missing = False
         # This daemon's lag probe, on a topic of its own (not shared with other heads).
         self.probe_topic = wire.probe_topic(f"d{secrets.token_hex(6)}")
         self._probe_nonce = secrets.token_hex(8)
@@ -321,12 +322,26 @@ class Ingest:
         self._metrics.mqtt_connected.set(0)
         self.freshness.connection(False, self._clock.now())
 
+    def _reads_inline(self) -> bool:
+        """Whether messages are handled in the callback that reads them, QoS 0 ones
+        without paho (always, but in the ingest benchmark's baseline)."""
+        return True
+
     def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
         """How the client queues incoming messages: not at all, handled inline."""
-        return _inline_queue(self.handle)
+        return _inline_queue(self.handle) if self._reads_inline() else None
+
+    def _handle_qos0(self, topic: str, payload: bytes, retained: bool) -> None:
+        self.handle(topic, payload, retained=retained)
 
     async def _session(self) -> None:
-        async with self._client(queue_type=self._queue_type()) as client:
+        client = self._client(queue_type=self._queue_type())
+        if self._mqtt.protocol == "3.1.1" and self._reads_inline():
+            installed = handle_qos0_inline(client, self._handle_qos0)  # telemetry sans paho
+            if not installed and not self._lane_missing:
+                self._lane_missing = True  # said once: paho reads it all, as it can
+                self._log.warning("QoS 0 read path not installed on this aiomqtt/paho")
+        async with client:
             prefix = f"$share/{self._mqtt.shared_group}/" if self._mqtt.shared_group else ""
             granted = await client.subscribe(
                 [(prefix + t, qos) for t, qos in wire.SUBSCRIPTIONS],

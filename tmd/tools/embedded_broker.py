@@ -11,7 +11,7 @@ thread and is used like ``tmd.tools.mosquitto.Mosquitto``.
 One task per connection reads 64 KiB at a time and handles every complete packet in
 it; what they produce is written once per client per read, never awaited, so one
 publisher's burst costs a write per subscriber rather than one per message. Framing
-and topic matching are pure functions in ``tmd.tools.mqtt_codec``.
+and topic matching are pure functions in ``tmd.mqtt_codec``.
 
 Limits, on purpose, because this is not a production broker:
 
@@ -46,8 +46,7 @@ from typing import Final
 
 from tmd import log
 from tmd.errors import ProtocolError, TmdError
-from tmd.tools.mosquitto import free_port
-from tmd.tools.mqtt_codec import (
+from tmd.mqtt_codec import (
     Fields,
     SubscriptionTree,
     encode_length,
@@ -60,6 +59,7 @@ from tmd.tools.mqtt_codec import (
     utf8,
     valid_topic,
 )
+from tmd.tools.mosquitto import free_port
 
 CONNECT, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 3, 4, 5, 6, 7
 SUBSCRIBE, UNSUBSCRIBE, PINGREQ, DISCONNECT = 8, 10, 12, 14

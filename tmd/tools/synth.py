@@ -24,7 +24,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tmd import wire
-from tmd.tools.mqtt_codec import encode_length, packet_bounds, publish_packet, topic_field
+from tmd.mqtt_codec import encode_length, packet_bounds, publish_packet, topic_field
 
 
 @dataclass(frozen=True, kw_only=True)

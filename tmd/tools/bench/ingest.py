@@ -35,8 +35,6 @@ from itertools import accumulate
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import aiomqtt
-
 from tmd import config as config_mod
 from tmd import log, wire
 from tmd.daemon import events
@@ -104,8 +102,8 @@ class BenchIngest(Ingest):
         super()._relayed_applied(relayed, taken, now)  # batches relayed by their agent
         self.latencies.extend(step_latencies(relayed_ends(relayed, taken), now))
 
-    def _queue_type(self) -> type[asyncio.Queue[aiomqtt.Message]] | None:
-        return None if self._stock_iterator else super()._queue_type()
+    def _reads_inline(self) -> bool:
+        return not self._stock_iterator
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tmd.errors import ProtocolError
-from tmd.tools.mqtt_codec import (
+from tmd.mqtt_codec import (
     SubscriptionTree,
     encode_length,
     matches,

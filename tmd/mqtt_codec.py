@@ -1,7 +1,9 @@
-"""MQTT 3.1.1 as data, for the embedded broker (``tmd.tools.embedded_broker``): framing, packet
-fields, topic names and filters, and the tree that matches a topic to the filters
-subscribed to it. Pure: no I/O, no asyncio; every malformed input is a
-``ProtocolError``, so the broker can drop the one client that sent it.
+"""MQTT 3.1.1 as data: framing, packet fields, topic names and filters, and the tree
+that matches a topic to the filters subscribed to it. Pure: no I/O, no asyncio; every
+malformed input is a ``ProtocolError``, so the embedded broker
+(``tmd.tools.embedded_broker``) can drop the one client that sent it. The daemon's
+QoS 0 read path (``tmd.connection.handle_qos0_inline``) and the load generator
+(``tmd.tools.synth``) frame packets with it too.
 """
 
 from __future__ import annotations
