@@ -8,10 +8,12 @@ import os
 import random
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiomqtt
+import paho.mqtt.client as paho
 
 from tmd.config import MqttConfig
 from tmd.errors import ProtocolError
@@ -143,21 +145,27 @@ def handle_qos0_inline(client: aiomqtt.Client, handle: Handler) -> bool:
     agents (32,768 ranks).
 
     So paho's socket is seen through a ``_Lane``: each ``recv`` paho makes reads what
-    the socket has (up to 256 kB), frames it, hands the QoS 0 PUBLISHes at its head to
+    the socket has (up to 64 kB), frames it, hands the QoS 0 PUBLISHes at its head to
     ``handle``, and gives paho every other packet (CONNACK, SUBACK, PUBLISH at QoS 1,
     PUBACK, PINGRESP) byte for byte, so paho's state (acknowledgements, keep-alive,
-    disconnects, errors) is what it would be without the lane. Packets are handled in
-    the order they came: the lane stops at a packet for paho until paho has read it.
-    A malformed frame goes to paho, whose parser refuses it as before.
+    disconnects, errors) is what it would be without the lane; it tells paho when
+    bytes came, as paho's own reads do, so a late PINGRESP behind a queue of telemetry
+    is not taken for a dead link. Packets are handled in the order they came: the
+    lane stops at a packet for paho until paho has read it. A frame paho would refuse
+    goes to paho with every byte after it, and paho drops the connection as before.
 
     MQTT 3.1.1 over TCP (TLS too) or a Unix socket only (an MQTT 5 PUBLISH carries
     properties the lane does not read). Installed before the client connects; False,
     and the client unchanged, where this aiomqtt or paho does not have the parts it
-    hooks (``Client._client``, paho's ``on_socket_open`` and ``_sock``), so a new
-    version degrades to the slow path rather than breaking."""
+    hooks (``Client._client``; paho's ``on_socket_open``, ``_sock``, its keep-alive's
+    ``_last_bytes_received`` on ``time.monotonic``), so a new version degrades to the
+    slow path rather than breaking."""
     paho_client: Any = getattr(client, "_client", None)
-    if paho_client is None or not hasattr(paho_client, "_sock"):
+    hooked = ("_sock", "_msgtime_mutex", "_last_bytes_received", "on_socket_open")
+    if paho_client is None or not all(hasattr(paho_client, a) for a in hooked):
         return False
+    if getattr(paho, "time_func", None) is not time.monotonic:
+        return False  # its keep-alive clock, which the lane sets
     protocol = getattr(paho_client, "_protocol", None)
     if protocol not in (3, 4) or getattr(paho_client, "_transport", None) not in ("tcp", "unix"):
         return False
@@ -166,7 +174,11 @@ def handle_qos0_inline(client: aiomqtt.Client, handle: Handler) -> bool:
         return False
 
     def on_socket_open(paho_: Any, userdata: Any, sock: Any) -> None:
-        lane = _Lane(sock, handle)
+        def received() -> None:
+            with paho_._msgtime_mutex:
+                paho_._last_bytes_received = time.monotonic()
+
+        lane = _Lane(sock, handle, received)
         paho_._sock = lane
         opened(paho_, userdata, lane)
 
@@ -177,18 +189,25 @@ def handle_qos0_inline(client: aiomqtt.Client, handle: Handler) -> bool:
 class _Lane:
     """paho's socket with the QoS 0 PUBLISHes taken out of what it reads
     (``handle_qos0_inline``). Everything paho or aiomqtt asks of a socket besides
-    ``recv`` and ``pending`` goes to the socket itself."""
+    ``recv`` and ``pending`` goes to the socket itself, but other ways to read it."""
 
-    _CHUNK = 1 << 18
+    # Read at most this much a wake-up: 17 relayed messages, some 600 small ones, so
+    # the event loop (the HTTP API, timers) waits milliseconds, not a quarter of a MB.
+    _CHUNK = 1 << 16
 
-    def __init__(self, sock: Any, handle: Handler) -> None:
+    def __init__(self, sock: Any, handle: Handler, received: Callable[[], None]) -> None:
         self._sock = sock
         self._handle = handle
+        self._received = received  # tells paho bytes came (its keep-alive counts them)
         self._inbox = bytearray()  # read from the socket, not framed yet
         self._paho = bytearray()  # whole packets for paho, in order
         self._eof = False
+        self._unframed = False  # after a bad frame all is paho's, to refuse
 
     def __getattr__(self, name: str) -> Any:  # send, fileno, close, setblocking...
+        if name.startswith("recv") or name in ("read", "makefile"):
+            # A paho that read another way would bypass the lane and lose its frame.
+            raise AttributeError(f"{name}: the QoS 0 read path reads with recv only")
         return getattr(self._sock, name)
 
     def recv(self, n: int) -> bytes:
@@ -227,35 +246,44 @@ class _Lane:
         if not data:
             self._eof = True
             return
+        self._received()
         self._inbox += data
         self._drain()
 
     def _drain(self) -> None:
         """Hand the QoS 0 PUBLISHes at the head of the inbox to ``handle``, up to the
-        first packet of another kind, which moves to paho's buffer."""
+        first packet of another kind, which moves to paho's buffer. A frame paho would
+        refuse (a length of five bytes, an empty topic, a topic past its packet) is
+        paho's, and so is every byte after it."""
         inbox, handle = self._inbox, self._handle
         pos, n = 0, len(inbox)
         try:
             while pos < n:
+                if self._unframed:
+                    self._paho += inbox[pos:]
+                    pos = n
+                    break
                 try:
                     bounds = packet_bounds(inbox, pos, MAX_REMAINING_LENGTH)
                 except ProtocolError:
-                    self._paho += inbox[pos:]  # paho refuses it and drops the connection
-                    pos = n
-                    break
+                    self._unframed = True
+                    continue
                 if bounds is None:
                     break
                 first, start, end = bounds
-                if first & 0xF6 == 0x30 and end - start >= 2:  # a PUBLISH at QoS 0
-                    topic_end = start + 2 + (inbox[start] << 8 | inbox[start + 1])
-                    if topic_end <= end:
+                if first & 0xF6 == 0x30:  # a PUBLISH at QoS 0
+                    topic_end = start
+                    if end - start > 2:
+                        topic_end = start + 2 + (inbox[start] << 8 | inbox[start + 1])
+                    if start + 2 < topic_end <= end:
                         with memoryview(inbox) as view:
                             topic = str(view[start + 2 : topic_end], "utf-8", "replace")
                             payload = bytes(view[topic_end:end])
                         pos = end
                         handle(topic, payload, bool(first & 1))
                         continue
-                self._paho += inbox[pos:end]  # another kind, or malformed: paho's
+                    self._unframed = True  # malformed: paho drops the connection
+                self._paho += inbox[pos:end]  # another kind: paho's, then go on
                 pos = end
                 break
         finally:

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import DaemonFactory
 from tests.helpers import Publisher, eventually
 from tmd import wire
+from tmd.connection import _Lane
 from tmd.daemon.daemon import Daemon
 from tmd.tools import synth
 from tmd.tools.mosquitto import Mosquitto
@@ -183,13 +184,22 @@ async def test_bad_messages_are_logged_once_per_interval(
     assert rejects[0]["topic"] == "tmd/v1/job/spam/rank/0/iter" and rejects[0]["reason"] == "json"
 
 
+def reading_lane(daemon: Any) -> _Lane:
+    """The QoS 0 read path of the daemon's connection now (``handle_qos0_inline``)."""
+    lane = daemon.ingest._client_now._client._sock
+    assert isinstance(lane, _Lane)
+    return lane
+
+
 async def test_broker_restart_is_survived(
     own_broker: Mosquitto, start_daemon: DaemonFactory
 ) -> None:
     daemon = await start_daemon(own_broker)
+    lane = reading_lane(daemon)
     own_broker.restart()  # same port; the daemon's connection is cut
     await eventually(lambda: not daemon.ingest.connected, timeout_s=10)
     await eventually(lambda: daemon.ingest.connected, timeout_s=20)
+    assert reading_lane(daemon) is not lane  # the new connection reads through its own
     pub = Publisher(own_broker.host, own_broker.port)
     try:
         pub.send(wire.iter_topic("after", 0), wire.encode(iter_batch("after", 0, range(1, 2))))
