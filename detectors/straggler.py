@@ -449,6 +449,16 @@ class _Units:
         self.changed_for[slot] = 0
         self.hot_since[slot] = _NO_STEP
 
+    def restart_all(self) -> None:
+        """Every unit's history starts over (``restart`` each), and a flagged unit's
+        calm count too, for its steps went back."""
+        n = self.n
+        self.count[:n] = 0
+        self.last[:n] = -1
+        self.changed_for[:n] = 0
+        self.hot_since[:n] = _NO_STEP
+        self.calm_since[:n] = _NO_STEP
+
     def forget(self, slot: int) -> None:
         """As if it had never been: the state of a new unit."""
         self.restart(slot)
@@ -590,6 +600,8 @@ class StragglerDetector(Detector):
         # is the read of their nodes in ``_sync``), which no column holds.
         steps = np.fromiter([s.last_step for s in states], np.int64, len(states))
         front = int(steps.max())
+        if front + cfg.stall_lag_steps < job.frontier:
+            self._went_back(job)
         ready = int(steps[steps >= front - cfg.stall_lag_steps].min())
         # The columns hold the last `window` steps of each rank; older ones are gone.
         oldest = front - vjob.cols.window + 1
@@ -606,6 +618,18 @@ class StragglerDetector(Detector):
         # the ranks by number, then the machines (mostly how a set of both iterated).
         yield from self._judge_all(name, job, ranks, job.rank_threshold, now)
         yield from self._judge_all(name, job, machines, job.machine_threshold, now)
+
+    def _went_back(self, job: _Job) -> None:
+        """Every rank is far behind the steps already scored: the job went back (a new
+        run from its checkpoint, or a rollback; the view reset its ranks). Each unit's
+        history starts over, as its steps do, so the new steps are scored as they come
+        and the hot and calm counts run from them; flags and thresholds stay (what was
+        found stays found until its unit is seen calm, and the spread of the peers has
+        not changed)."""
+        for units in (job.ranks, job.machines):
+            units.restart_all()
+        job.frontier = -1
+        job.spread_step = -1
 
     def _sync(
         self, name: str, vjob: JobView, job: _Job, states: list[RankState], now: float

@@ -6,6 +6,7 @@ import math
 import random
 from typing import Any
 
+import msgspec
 import pytest
 
 from tmd import wire
@@ -289,3 +290,28 @@ def test_the_busy_time_fields_are_where_the_view_keeps_them() -> None:
 
     assert TIMING_FIELDS.index("step_s") == straggler._STEP_S
     assert TIMING_FIELDS.index("allreduce_s") == straggler._ALLREDUCE_S
+
+
+def test_a_new_run_from_a_checkpoint_is_scored_from_its_first_steps() -> None:
+    """The launcher restarts the job from a checkpoint (a new run, its steps back to
+    where that was saved) and a rank of the new run is 30% slow from its step 60: it
+    is found within the new run's first 180 steps, not only once the run has passed
+    the step the old one reached (220)."""
+    shape = traces.JobShape(**QUIET)
+    old = traces.generate("t", 0, shape, traces.Effects())
+    new = traces.generate(
+        "t", 1, traces.JobShape(**{**QUIET, "steps": 180}),
+        traces.Effects(slow=[Slowdown((5,), 60, None, 0.3)]),
+    )  # fmt: skip
+    job = old.batches[0][1].job
+    shift = old.batches[-1][0] + 30.0 - new.batches[0][0]  # restarted 30 s after
+
+    def moved(b: wire.IterBatch) -> wire.IterBatch:
+        steps = [msgspec.structs.replace(s, end_ts=s.end_ts + shift) for s in b.steps]
+        return msgspec.structs.replace(b, job=job, run=1, ts=b.ts + shift, steps=steps)
+
+    old.batches += [(t + shift, moved(b)) for t, b in new.batches]
+    view = ClusterView()
+    det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
+    out = replay(old, [det], view).found
+    assert [n for n, _ in found(out)] == ["node-001"]
