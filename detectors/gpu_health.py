@@ -222,7 +222,9 @@ class GpuHealthDetector(Detector):
     def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
         if value is None:
             return False
-        history = gpu.counters.setdefault(name, deque())
+        history = gpu.counters.get(name)
+        if history is None:  # not setdefault: a deque built per call, twice per GPU sample
+            history = gpu.counters[name] = deque()
         if history and value == history[-1][1]:
             return False  # not rising now; the next rise is measured from the last change
         if history and value < history[-1][1]:

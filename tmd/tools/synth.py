@@ -332,9 +332,17 @@ class _Sender:
             self.period += 1
 
     def _gpus(self) -> list[wire.GpuSample]:
+        """Healthy GPUs as ``tmd agent`` samples them on an H100: every field read
+        (counters at 0, not None), so the daemon decodes and checks what it would."""
         return [
-            wire.GpuSample(index=g, temp_c=55.0 + self.rng.random() * 10, power_w=400.0,
-                           util_pct=97.0, clock_event_reasons=0)
+            wire.GpuSample(
+                index=g, temp_c=55.0 + self.rng.random() * 10, power_w=400.0, util_pct=97.0,
+                mem_used_mb=61_440, clock_event_reasons=0, ecc_sbe_volatile=0,
+                ecc_dbe_volatile=0, ecc_sbe_aggregate=0, ecc_dbe_aggregate=0,
+                retired_pages_pending=False, remap_pending=False, remap_failure=False,
+                nvlink_replay=0, nvlink_recovery=0, nvlink_crc=0, pcie_replay=0,
+                recovery_action=0,
+            )
             for g in range(min(8, self.spec.ranks_per_node))
         ]  # fmt: skip
 
