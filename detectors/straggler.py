@@ -564,6 +564,11 @@ class _Job:
     rank_place: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     width: int = 1  # the most ranks on one machine
     singletons: bool = True  # one rank per machine: the ranks say it all
+    # The view's count of the times the job went back (``JobView.rewinds``) as last
+    # seen, and which of ``states`` are of the timeline it is on (None: all of them).
+    rewinds: int = 0
+    current: list[bool] | None = None
+    col_ok: Mask | None = None  # by column: its rank is current
 
 
 class StragglerDetector(Detector):
@@ -595,13 +600,24 @@ class StragglerDetector(Detector):
         if not vjob.ranks or vjob.cols is None:
             return
         states = list(vjob.ranks.values())
+        seen = job.states
         yield from self._sync(name, vjob, job, states, now)
+        went_back = vjob.rewinds != job.rewinds
+        if went_back or (vjob.rewinds and (job.current is not None or job.states is not seen)):
+            self._current(vjob, job)
         # Each rank's last step: a read of every state (some 10 ms at 131,072 ranks, as
         # is the read of their nodes in ``_sync``), which no column holds.
         steps = np.fromiter([s.last_step for s in states], np.int64, len(states))
+        if job.current is not None:  # only the ranks on the job's timeline
+            steps = steps[np.fromiter(job.current, np.bool_, len(states))]
+            if not steps.size:
+                return
         front = int(steps.max())
-        if front + cfg.stall_lag_steps < job.frontier:
+        # A new run or a rollback, as the view saw it; or every rank far behind the
+        # steps already scored (the view forgot the job and took it up again, say).
+        if went_back or front + cfg.stall_lag_steps < job.frontier:
             self._went_back(job)
+            job.rewinds = vjob.rewinds
         ready = int(steps[steps >= front - cfg.stall_lag_steps].min())
         # The columns hold the last `window` steps of each rank; older ones are gone.
         oldest = front - vjob.cols.window + 1
@@ -620,16 +636,32 @@ class StragglerDetector(Detector):
         yield from self._judge_all(name, job, machines, job.machine_threshold, now)
 
     def _went_back(self, job: _Job) -> None:
-        """Every rank is far behind the steps already scored: the job went back (a new
-        run from its checkpoint, or a rollback; the view reset its ranks). Each unit's
-        history starts over, as its steps do, so the new steps are scored as they come
-        and the hot and calm counts run from them; flags and thresholds stay (what was
-        found stays found until its unit is seen calm, and the spread of the peers has
-        not changed)."""
+        """The job went back (a new run from its checkpoint, or a rollback: the view
+        counts it, ``JobView.rewinds``), or every rank is far behind the steps already
+        scored. Each unit's history starts over, as its steps do, so the new steps are
+        scored as they come and the hot and calm counts run from them; flags and
+        thresholds stay (what was found stays found until its unit is seen calm, and
+        the spread of the peers has not changed)."""
         for units in (job.ranks, job.machines):
             units.restart_all()
         job.frontier = -1
         job.spread_step = -1
+
+    def _current(self, vjob: JobView, job: _Job) -> None:
+        """Which ranks are on the timeline the job went back to (``JobView.behind``):
+        one of an earlier run or generation still holds the steps of the timeline left
+        (it has not reported since, or never will), whose numbers the new steps take
+        again. Read where the job went back, its ranks changed, or some were behind; a
+        rank behind can only catch up."""
+        current = [not vjob.behind(s) for s in job.states]
+        if all(current):
+            job.current = job.col_ok = None
+            return
+        cols = vjob.cols
+        assert cols is not None
+        job.current = current
+        job.col_ok = np.zeros(cols.n, np.bool_)
+        job.col_ok[[s.col for s, ok in zip(job.states, current, strict=True) if ok]] = True
 
     def _sync(
         self, name: str, vjob: JobView, job: _Job, states: list[RankState], now: float
@@ -717,7 +749,10 @@ class StragglerDetector(Detector):
         # As RankState.busy_at: the difference in float32, widened.
         timings = cols.timings
         busy = (timings[_STEP_S, row, :n] - timings[_ALLREDUCE_S, row, :n]).astype(np.float64)
-        at = np.flatnonzero((cols.step[row, :n] == step) & (busy > 0))
+        held = (cols.step[row, :n] == step) & (busy > 0)
+        if job.col_ok is not None:  # not a rank still on the timeline the job left
+            held &= job.col_ok[:n]
+        at = np.flatnonzero(held)
         if at.size < cfg.min_ranks:
             return
         logs = np.log(busy if at.size == n else busy[at])

@@ -38,6 +38,11 @@ class JobView:
     state: str = "unknown"
     step: int = 0
     run: int = 0  # the launcher's restart count of the job (0 from old runtimes)
+    # The (run, generation) its steps last went back at (``went_back``), and how many
+    # times they have: a rank still at an earlier (run, generation) reports a timeline
+    # the job has left (it has not reported since, or is gone).
+    rewound: tuple[int, int] = (0, 0)
+    rewinds: int = 0
     members: dict[int, str] = field(default_factory=dict)  # rank -> node (its machine)
     # rank -> its index among its machine's ranks; None from a runtime before machines
     # (one rank per machine)
@@ -61,6 +66,18 @@ class JobView:
         for rank in sorted(self.members, key=lambda r: (self.local_ranks.get(r) or 0, r)):
             out.setdefault(self.members[rank], []).append(rank)
         return out
+
+    def went_back(self, run: int, generation: int) -> None:
+        """Its steps went back at ``(run, generation)``: a new run from a checkpoint
+        (generation 0), or a rollback to an earlier step in a new generation. Counted
+        once however many of its ranks show it."""
+        if (run, generation) > self.rewound:
+            self.rewound = (run, generation)
+            self.rewinds += 1
+
+    def behind(self, state: RankState) -> bool:
+        """Whether ``state`` is of a timeline the job has left (``went_back``)."""
+        return (state.run, state.generation) < self.rewound
 
     def slots(self, node: str) -> int:
         """How many ranks of the job run on ``node`` (0: not a member): the slots a
@@ -159,8 +176,10 @@ class ClusterView:
             return out
         if run is not None and run > state.run:
             state.new_run(run)  # a new run counts its generations from 0 again
+            job.went_back(run, 0)
         elif generation > state.generation and rows[0][0] <= state.last_step:
             state.reset()  # a new generation restarted from an earlier step: a rollback
+            job.went_back(state.run, generation)
         # An older generation's steps past what the newer one reached belong to a
         # timeline that was rolled back: too late to count.
         stale_above = state.last_step if generation < state.generation else None
@@ -256,6 +275,7 @@ class ClusterView:
             for state in job.ranks.values():
                 if state.run < status.run:
                     state.new_run(status.run)
+            job.went_back(status.run, 0)
         job.status_ts = status.ts
         job.world_size = status.world_size
         job.generation = status.generation

@@ -132,6 +132,14 @@ def test_rollback_to_an_earlier_step_in_a_new_generation_restarts_the_ring() -> 
     stale = view.apply_iter(batch(0, [99, 53]), TS)
     assert (stale.late, stale.duplicate) == (1, 1)
     assert rank.generation == 1 and rank.last_step == 54
+    # The job went back once, at generation 1, however many of its ranks show it.
+    other = msgspec.structs.replace(rollback, rank=1, node="n1")
+    view.apply_iter(batch(1, list(range(1, 101))), TS)
+    assert (view.jobs["j"].rewinds, view.jobs["j"].rewound) == (1, (0, 1))
+    assert view.jobs["j"].behind(view.jobs["j"].ranks[1])  # not yet back
+    view.apply_iter(other, TS)
+    assert (view.jobs["j"].rewinds, view.jobs["j"].rewound) == (1, (0, 1))
+    assert not view.jobs["j"].behind(view.jobs["j"].ranks[1])
 
 
 def test_a_new_run_counts_its_generations_from_zero_and_its_steps_land() -> None:
@@ -150,7 +158,9 @@ def test_a_new_run_counts_its_generations_from_zero_and_its_steps_land() -> None
                          steps=[wire.StepTiming(s, TS + s, 1.0, 0.5, 0.4, 0.05, 0.05)
                                 for s in range(1, 101)])  # fmt: skip
     view.apply_iter(old, TS)
+    assert view.jobs["j"].rewinds == 0
     view.apply_job_status(status(1, 0), TS)
+    assert (view.jobs["j"].rewinds, view.jobs["j"].rewound) == (1, (1, 0))
     resumed = view.apply_iter(batch(0, list(range(60, 120)), compute=0.9), TS)
     rank = view.jobs["j"].ranks[0]
     assert (resumed.accepted, resumed.late, resumed.duplicate) == (60, 0, 0)
@@ -178,6 +188,7 @@ def test_a_late_batch_of_the_old_run_neither_counts_nor_blinds_the_new_one() -> 
     # A batch of the new run that comes before its status moves the rank on by itself.
     early = view.apply_iter(iters(2, 0, range(10, 20)), TS)
     assert early.accepted == 10 and view.jobs["j"].ranks[0].run == 2
+    assert (view.jobs["j"].rewinds, view.jobs["j"].rewound) == (2, (2, 0))
 
 
 def test_a_rejected_batch_takes_no_job_slot() -> None:

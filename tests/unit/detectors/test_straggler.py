@@ -292,26 +292,82 @@ def test_the_busy_time_fields_are_where_the_view_keeps_them() -> None:
     assert TIMING_FIELDS.index("allreduce_s") == straggler._ALLREDUCE_S
 
 
-def test_a_new_run_from_a_checkpoint_is_scored_from_its_first_steps() -> None:
-    """The launcher restarts the job from a checkpoint (a new run, its steps back to
-    where that was saved) and a rank of the new run is 30% slow from its step 60: it
-    is found within the new run's first 180 steps, not only once the run has passed
-    the step the old one reached (220)."""
+class _Checked(StragglerDetector):
+    """The detector, its frontier checked after every tick: thresholds are never of
+    a step past what it has scored."""
+
+    def tick(self, now: float) -> list[events.Event]:
+        out = list(super().tick(now))
+        for job in self.jobs.values():
+            assert job.spread_step <= job.frontier, (job.spread_step, job.frontier)
+        return out
+
+
+def went_back(
+    before: traces.Effects, after: traces.Effects, how: str, *, missing: tuple[int, ...] = ()
+) -> list[tuple[events.Event, int]]:
+    """A job of 220 steps, then the same job from its checkpoint of step 40 for 180
+    steps (to 219 again), 150 s later: a new run its ranks name (``how`` "batches"),
+    one its status names first ("status"), or a rollback in a new generation of the
+    same run ("rollback"). The ranks in ``missing`` report nothing after."""
     shape = traces.JobShape(**QUIET)
-    old = traces.generate("t", 0, shape, traces.Effects())
-    new = traces.generate(
-        "t", 1, traces.JobShape(**{**QUIET, "steps": 180}),
-        traces.Effects(slow=[Slowdown((5,), 60, None, 0.3)]),
-    )  # fmt: skip
+    old = traces.generate("t", 0, shape, before)
+    new = traces.generate("t", 1, traces.JobShape(**{**QUIET, "steps": 180}), after)
     job = old.batches[0][1].job
-    shift = old.batches[-1][0] + 30.0 - new.batches[0][0]  # restarted 30 s after
+    shift = old.batches[-1][0] + 150.0 - new.batches[0][0]
+    changed: dict[str, int] = {"generation": 1} if how == "rollback" else {"run": 1}
 
     def moved(b: wire.IterBatch) -> wire.IterBatch:
-        steps = [msgspec.structs.replace(s, end_ts=s.end_ts + shift) for s in b.steps]
-        return msgspec.structs.replace(b, job=job, run=1, ts=b.ts + shift, steps=steps)
+        steps = [
+            msgspec.structs.replace(s, step=s.step + 40, end_ts=s.end_ts + shift) for s in b.steps
+        ]
+        return msgspec.structs.replace(b, job=job, ts=b.ts + shift, steps=steps, **changed)
 
-    old.batches += [(t + shift, moved(b)) for t, b in new.batches]
+    new.batches = [(t + shift, moved(b)) for t, b in new.batches if b.rank not in missing]
     view = ClusterView()
-    det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
+    det = _Checked(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
     out = replay(old, [det], view).found
+    if how == "status":
+        members = [wire.Member(r, traces.node_of(r, shape), r % 4) for r in range(16)]
+        t = new.batches[0][0] - 1.0
+        status = wire.JobStatus(ts=t, job=job, generation=0, world_size=16, members=members, run=1)
+        view.apply_job_status(status, t)
+    return out + replay(new, [det], view).found
+
+
+SLOW_5 = traces.Effects(slow=[Slowdown((5,), 60, None, 0.3)])  # node-001's rank 5, from 60
+
+
+@pytest.mark.parametrize("missing", [(), (3,)], ids=["all back", "a rank missing"])
+@pytest.mark.parametrize("how", ["batches", "status", "rollback"])
+def test_the_steps_after_a_restart_are_scored_from_the_first(
+    how: str, missing: tuple[int, ...]
+) -> None:
+    """The job goes back to its checkpoint and a rank is 30% slow from its step 60
+    (100 of the new timeline): it is found before the new timeline passes the step
+    the old one reached (219), even where a rank of the old one never reports again
+    (its old steps are not the new timeline's)."""
+    out = went_back(traces.Effects(), SLOW_5, how, missing=missing)
     assert [n for n, _ in found(out)] == ["node-001"]
+
+
+def test_a_rank_hot_when_the_job_went_back_starts_over() -> None:
+    """A rank slow for the last steps before a new run, not long enough to be found,
+    and at speed after: its steps before are not counted with those after."""
+    slow_late = traces.Effects(slow=[Slowdown((5,), 215, None, 0.3)])
+    assert found(run(slow_late)) == []  # not yet found when the first run ends
+    assert found(went_back(slow_late, traces.Effects(), "batches")) == []
+
+
+@pytest.mark.parametrize("slow", [(5,), (4, 5, 6, 7)], ids=["a rank", "a machine"])
+def test_a_straggler_calm_since_before_a_new_run_is_cleared_in_it(slow: tuple[int, ...]) -> None:
+    """Found in the first run and calm from some 30 steps before its end, less than
+    ``clear_steps``: the calm count starts over with the new run's steps, which go
+    back, and the node is cleared once calm that long in the new run."""
+    before = traces.Effects(slow=[Slowdown(slow, 60, 180, 0.3)])
+    out = run(before)
+    assert kinds(out) == [("StragglerFound", "node-001")]  # not cleared in the first run
+    assert kinds(went_back(before, traces.Effects(), "batches")) == [
+        ("StragglerFound", "node-001"),
+        ("StragglerCleared", "node-001"),
+    ]
