@@ -80,10 +80,22 @@ class GpuHealthConfig:
 @dataclass
 class _Gpu:
     last_seen: float = 0.0
-    throttled: deque[tuple[float, bool]] = field(default_factory=deque)
-    throttled_count: int = 0  # of True in ``throttled``: O(1) per sample, not O(window)
     degraded: set[str] = field(default_factory=set)  # causes reported and not yet re-armed
     counters: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    # The last value of each replay counter (``_rising``): the usual sample repeats it.
+    nvlink: int | None = None
+    pcie: int | None = None
+
+
+@dataclass
+class _Node:
+    """A machine's GPUs, and one throttle window for all of them: a sample each
+    ``(when, the GPUs throttled, the GPUs read)``, as bit masks by GPU index, so the
+    usual sample (none throttled) costs one entry, not one per GPU."""
+
+    gpus: dict[int, _Gpu] = field(default_factory=dict)
+    window: deque[tuple[float, int, int]] = field(default_factory=deque)
+    hot: int = 0  # samples in ``window`` with a GPU throttled
 
 
 class GpuHealthDetector(Detector):
@@ -98,7 +110,7 @@ class GpuHealthDetector(Detector):
         self._fatal = frozenset(config.fatal_xids)
         self._degraded = frozenset(config.degraded_xids)
         self._application = frozenset(config.application_xids)
-        self._gpus: dict[tuple[str, int], _Gpu] = {}
+        self._nodes: dict[str, _Node] = {}
         self._reported: dict[tuple[str, int, str], float] = {}  # -> when, for degraded: last true
         self._offline: set[str] = set()
 
@@ -113,14 +125,16 @@ class GpuHealthDetector(Detector):
         horizon = now - self.config.forget_after_s
         for key in [k for k, t in self._reported.items() if t < horizon]:
             del self._reported[key]
-        for gpu_key in [k for k, g in self._gpus.items() if g.last_seen < horizon]:
-            del self._gpus[gpu_key]
         # Nodes the view let go of (silent past ingest.forget_after_s, or evicted past
         # ingest.max_nodes) are forgotten here too: publishers choose node names.
         nodes = self.context.view.nodes
         self._offline = {n for n in self._offline if n in nodes}
-        for gpu_key in [k for k in self._gpus if k[0] not in nodes]:
-            del self._gpus[gpu_key]
+        for name in list(self._nodes):
+            gpus = self._nodes[name].gpus
+            for index in [i for i, g in gpus.items() if g.last_seen < horizon]:
+                del gpus[index]
+            if not gpus or name not in nodes:
+                del self._nodes[name]
         return ()
 
     # -- XID events ----------------------------------------------------------------
@@ -146,42 +160,51 @@ class GpuHealthDetector(Detector):
 
     def _sample(self, sample: wire.NodeGpu, now: float) -> Iterator[events.Event]:
         cfg = self.config
-        node = sample.node
-        gpus = self._gpus
+        name = sample.node
+        node = self._nodes.get(name)
+        if node is None:
+            node = self._nodes[name] = _Node()
+        throttled = self._throttled(node, sample.gpus, now)
+        gpus = node.gpus
         for g in sample.gpus:
-            gpu = gpus.get((node, g.index))
-            if gpu is None:  # not setdefault: a _Gpu built per sample was most of its cost
-                gpu = gpus[node, g.index] = _Gpu()
+            index = g.index
+            gpu = gpus.get(index)
+            if gpu is None:
+                gpu = gpus[index] = _Gpu()
             gpu.last_seen = now
             if g.ecc_dbe_volatile:
                 yield from self._report(
                     True,
-                    node,
-                    g.index,
+                    name,
+                    index,
                     "volatile DBE",
                     f"{g.ecc_dbe_volatile} double-bit ECC errors",
                     now,
                 )
             if g.remap_failure:
                 yield from self._report(
-                    True, node, g.index, "row remap failure", "the GPU ran out of spare rows", now
+                    True, name, index, "row remap failure", "the GPU ran out of spare rows", now
                 )
             if g.recovery_action not in (None, RECOVERY_ACTION_NONE):
                 yield from self._report(
                     True,
-                    node,
-                    g.index,
+                    name,
+                    index,
                     "recovery action",
                     f"driver asks for recovery action {g.recovery_action}",
                     now,
                 )
-            throttling = self._throttled(gpu, g, now)
-            nvlink = g.nvlink_replay is not None and self._rising(
-                gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min
-            )
-            pcie = g.pcie_replay is not None and self._rising(
-                gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min
-            )
+            # A counter that did not move is not rising (``_rising``): the usual sample.
+            nvlink = pcie = False
+            if g.nvlink_replay is not None and g.nvlink_replay != gpu.nvlink:
+                gpu.nvlink = g.nvlink_replay
+                nvlink = self._rising(
+                    gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min
+                )
+            if g.pcie_replay is not None and g.pcie_replay != gpu.pcie:
+                gpu.pcie = g.pcie_replay
+                pcie = self._rising(gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min)
+            throttling = bool(throttled >> index & 1)
             pending_remap, pending_retire = bool(g.remap_pending), bool(g.retired_pages_pending)
             if not (
                 gpu.degraded or pending_remap or pending_retire or throttling or nvlink or pcie
@@ -195,29 +218,50 @@ class GpuHealthDetector(Detector):
                 "pcie replays": pcie,
             }
             for cause, bad in conditions.items():
-                key = (node, g.index, cause)
+                key = (name, index, cause)
                 if bad:
                     gpu.degraded.add(cause)
-                    yield from self._report(False, node, g.index, cause, _detail(cause, g), now)
+                    yield from self._report(False, name, index, cause, _detail(cause, g), now)
                 elif cause in gpu.degraded and self._rearmed(key, now):
                     gpu.degraded.discard(cause)
 
-    def _throttled(self, gpu: _Gpu, g: wire.GpuSample, now: float) -> bool:
-        if g.clock_event_reasons is None:
-            return False
-        window = gpu.throttled
-        hot = bool(g.clock_event_reasons & self.config.throttle_mask)
-        window.append((now, hot))
-        gpu.throttled_count += hot
-        while window and window[0][0] < now - self.config.throttle_window_s:
-            gpu.throttled_count -= window.popleft()[1]
-        if not gpu.throttled_count:
-            return False  # the usual GPU: not one sample of the window throttled
-        # "Sustained": most samples of a window that is (nearly) full.
-        span = window[-1][0] - window[0][0]
-        if span < 0.8 * self.config.throttle_window_s:
-            return False
-        return gpu.throttled_count >= self.config.throttle_fraction * len(window)
+    def _throttled(self, node: _Node, gpus: list[wire.GpuSample], now: float) -> int:
+        """The GPUs of this sample throttled for most samples of a window that is
+        (nearly) full, as a bit mask by index: this sample into the node's window, and
+        the window read GPU by GPU only where one of its samples was throttled. A GPU
+        that could not read its clock event reasons is neither throttled nor counted."""
+        cfg = self.config
+        mask = cfg.throttle_mask
+        hot = read = 0
+        for g in gpus:
+            reasons = g.clock_event_reasons
+            if reasons is not None:
+                read |= 1 << g.index
+                if reasons & mask:
+                    hot |= 1 << g.index
+        window = node.window
+        if read:
+            window.append((now, hot, read))
+            node.hot += hot != 0
+        horizon = now - cfg.throttle_window_s
+        while window and window[0][0] < horizon:
+            node.hot -= window.popleft()[1] != 0
+        if not node.hot:
+            return 0  # the usual node: not one sample of the window throttled
+        seen_hot = 0
+        for _, h, _ in window:
+            seen_hot |= h
+        out = 0
+        for index in _bits(seen_hot & read):
+            bit = 1 << index
+            times = [t for t, _, r in window if r & bit]
+            count = sum(1 for _, h, r in window if h & bit)
+            # "Sustained": most samples of a window that is (nearly) full.
+            if times[-1] - times[0] < 0.8 * cfg.throttle_window_s:
+                continue
+            if count >= cfg.throttle_fraction * len(times):
+                out |= bit
+        return out
 
     def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
         if value is None:
@@ -267,9 +311,18 @@ class GpuHealthDetector(Detector):
             self._offline.discard(status.node)
             for key in [k for k in self._reported if k[0] == status.node]:
                 del self._reported[key]
-            for gpu_key in [k for k in self._gpus if k[0] == status.node]:
-                del self._gpus[gpu_key]
+            self._nodes.pop(status.node, None)
         return iter(())
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The indices of the bits set in ``mask``, lowest first."""
+    index = 0
+    while mask:
+        if mask & 1:
+            yield index
+        mask >>= 1
+        index += 1
 
 
 def _detail(cause: str, g: wire.GpuSample) -> str:

@@ -146,4 +146,46 @@ def test_nodes_the_view_let_go_of_are_forgotten() -> None:
         list(d.observe(sample(node), now))
     view.nodes.pop("gone")
     list(d.tick(now + 1))
-    assert {k[0] for k in d._gpus} == {"kept"}
+    assert set(d._nodes) == {"kept"}
+
+
+def test_one_throttle_window_per_machine_judges_each_gpu_as_its_own_window_would() -> None:
+    """The window is kept per machine, a sample each (``_Node``), and read per GPU only
+    where one was throttled: on random samples of GPUs 0, 1 and 5 (throttled in runs,
+    some samples without a GPU or without its reasons, uneven intervals) it finds the
+    GPUs a window of each GPU's own samples finds."""
+    import random
+    from collections import deque
+
+    from tmd.detectors.gpu_health import _Node
+
+    det = make(throttle_window_s=20, throttle_fraction=0.5)
+    node = _Node()
+    rng = random.Random(7)
+    own: dict[int, deque[tuple[float, bool]]] = {i: deque() for i in (0, 1, 5)}
+    rate = {0: 0.0, 1: 0.0, 5: 0.0}
+    t, agreed, throttled = T0, 0, 0
+    for _ in range(3000):
+        t += rng.choice([0.5, 1.0, 1.0, 2.0, 7.0])
+        gpus = []
+        expected = 0
+        for i in own:
+            if rng.random() < 0.02:
+                rate[i] = rng.choice([0.0, 0.0, 0.3, 0.7, 1.0])  # a new run of throttling
+            if rng.random() < 0.05:
+                continue  # not in this sample
+            reasons = None if rng.random() < 0.05 else (0x40 if rng.random() < rate[i] else 0)
+            gpus.append(wire.GpuSample(index=i, clock_event_reasons=reasons))
+            if reasons is None:
+                continue
+            window = own[i]  # the GPU's own samples of the last 20 s
+            window.append((t, bool(reasons)))
+            while window[0][0] < t - 20:
+                window.popleft()
+            hot = sum(h for _, h in window)
+            full = window[-1][0] - window[0][0] >= 0.8 * 20
+            expected |= (full and hot >= 0.5 * len(window)) << i
+        got = det._throttled(node, gpus, t)
+        agreed += got == expected
+        throttled += expected != 0
+    assert agreed == 3000 and throttled > 100
