@@ -564,11 +564,16 @@ class _Job:
     rank_place: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     width: int = 1  # the most ranks on one machine
     singletons: bool = True  # one rank per machine: the ranks say it all
-    # The view's count of the times the job went back (``JobView.rewinds``) as last
-    # seen, and which of ``states`` are of the timeline it is on (None: all of them).
+    # The view's job and its count of the times the job went back (``JobView.rewinds``)
+    # as last seen; the front when it did. Which of ``states`` are still of a timeline
+    # the job left (their indexes), and so which are of the one it is on (None: all),
+    # by rank and by column.
+    vjob: JobView | None = None
     rewinds: int = 0
-    current: list[bool] | None = None
-    col_ok: Mask | None = None  # by column: its rank is current
+    went_back_at: int = -1
+    behind: list[int] = field(default_factory=list)
+    current: Mask | None = None
+    col_ok: Mask | None = None
 
 
 class StragglerDetector(Detector):
@@ -602,23 +607,30 @@ class StragglerDetector(Detector):
         states = list(vjob.ranks.values())
         seen = job.states
         yield from self._sync(name, vjob, job, states, now)
-        went_back = vjob.rewinds != job.rewinds
-        if went_back or (vjob.rewinds and (job.current is not None or job.states is not seen)):
-            self._current(vjob, job)
+        # A new run or a rollback, as the view counts them; or a job the view forgot and
+        # took up again (its count starts over).
+        went_back = vjob is not job.vjob or vjob.rewinds != job.rewinds
+        if went_back or job.states is not seen:
+            self._current(vjob, job, range(len(states)))
+        elif job.behind:  # only they can have changed: a rank behind can only catch up
+            self._current(vjob, job, job.behind)
         # Each rank's last step: a read of every state (some 10 ms at 131,072 ranks, as
         # is the read of their nodes in ``_sync``), which no column holds.
         steps = np.fromiter([s.last_step for s in states], np.int64, len(states))
         if job.current is not None:  # only the ranks on the job's timeline
-            steps = steps[np.fromiter(job.current, np.bool_, len(states))]
+            steps = steps[job.current]
             if not steps.size:
                 return
         front = int(steps.max())
-        # A new run or a rollback, as the view saw it; or every rank far behind the
-        # steps already scored (the view forgot the job and took it up again, say).
+        # Or every rank far behind the steps already scored.
         if went_back or front + cfg.stall_lag_steps < job.frontier:
             self._went_back(job)
-            job.rewinds = vjob.rewinds
+            job.vjob, job.rewinds, job.went_back_at = vjob, vjob.rewinds, front
         ready = int(steps[steps >= front - cfg.stall_lag_steps].min())
+        if job.behind and front < job.went_back_at + cfg.stall_lag_steps:
+            # Ranks not back on the new timeline yet are waited for, as a rank is until
+            # it is that far behind: their first steps are scored with the others'.
+            ready = job.frontier
         # The columns hold the last `window` steps of each rank; older ones are gone.
         oldest = front - vjob.cols.window + 1
         ranks, machines = job.ranks, job.machines
@@ -647,21 +659,26 @@ class StragglerDetector(Detector):
         job.frontier = -1
         job.spread_step = -1
 
-    def _current(self, vjob: JobView, job: _Job) -> None:
-        """Which ranks are on the timeline the job went back to (``JobView.behind``):
-        one of an earlier run or generation still holds the steps of the timeline left
-        (it has not reported since, or never will), whose numbers the new steps take
-        again. Read where the job went back, its ranks changed, or some were behind; a
-        rank behind can only catch up."""
-        current = [not vjob.behind(s) for s in job.states]
-        if all(current):
+    def _current(self, vjob: JobView, job: _Job, among: Iterable[int]) -> None:
+        """Which ranks are still of a timeline the job left (``JobView.behind``), of
+        ``among`` (indexes into ``job.states``; the others are not): one of an earlier
+        run or generation holds the steps of that timeline (it has not reported since,
+        or never will), whose numbers the new steps take again. O(ranks) only where
+        the job went back or its ranks changed; else O(ranks behind)."""
+        states = job.states
+        behind = [i for i in among if vjob.behind(states[i])] if vjob.rewinds else []
+        if among is job.behind and behind == job.behind:
+            return  # none caught up
+        job.behind = behind
+        if not behind:
             job.current = job.col_ok = None
             return
         cols = vjob.cols
         assert cols is not None
-        job.current = current
-        job.col_ok = np.zeros(cols.n, np.bool_)
-        job.col_ok[[s.col for s, ok in zip(job.states, current, strict=True) if ok]] = True
+        job.current = np.ones(len(states), np.bool_)
+        job.current[behind] = False
+        job.col_ok = np.ones(cols.n, np.bool_)
+        job.col_ok[[states[i].col for i in behind]] = False
 
     def _sync(
         self, name: str, vjob: JobView, job: _Job, states: list[RankState], now: float

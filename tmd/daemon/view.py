@@ -178,8 +178,13 @@ class ClusterView:
             state.new_run(run)  # a new run counts its generations from 0 again
             job.went_back(run, 0)
         elif generation > state.generation and rows[0][0] <= state.last_step:
-            state.reset()  # a new generation restarted from an earlier step: a rollback
-            job.went_back(state.run, generation)
+            # A new generation restarted from an earlier step: a rollback; the job's
+            # only where the rank was on its timeline (one that missed the last
+            # rollback holds the steps of the one before: nothing new went back).
+            current = not job.behind(state)
+            state.reset()
+            if current:
+                job.went_back(state.run, generation)
         # An older generation's steps past what the newer one reached belong to a
         # timeline that was rolled back: too late to count.
         stale_above = state.last_step if generation < state.generation else None

@@ -371,3 +371,98 @@ def test_a_straggler_calm_since_before_a_new_run_is_cleared_in_it(slow: tuple[in
         ("StragglerFound", "node-001"),
         ("StragglerCleared", "node-001"),
     ]
+
+
+class Fed:
+    """16 ranks on 4 machines fed straight to the view, 10 steps a tick, all alike:
+    for what the detector keeps of a job whose steps go back."""
+
+    def __init__(self) -> None:
+        self.view = ClusterView()
+        self.det = StragglerDetector(
+            StragglerConfig(), context=Context(view=self.view, clock=SystemClock())
+        )
+        self.t = 1000.0
+
+    def feed(
+        self, steps: range, ranks: Any = range(16), *, run: int | None = None, gen: int = 0
+    ) -> None:
+        for r in ranks:
+            rows = [(s, self.t, 1.0 + 0.01 * (r % 5), 0.9, 0.05, 0.03, 0.02) for s in steps]
+            self.view.apply_steps("j", r, f"n{r // 4}", gen, run, rows, self.t)
+
+    def steps(
+        self, start: int, stop: int, ranks: Any = range(16), *, run: int | None = None,
+        gen: int = 0,
+    ) -> None:  # fmt: skip
+        """Steps ``start`` to ``stop`` (excluded), a tick each 10."""
+        for s0 in range(start, stop, 10):
+            self.feed(range(s0, s0 + 10), ranks, run=run, gen=gen)
+            self.tick()
+
+    def tick(self) -> None:
+        self.t += 1.0
+        list(self.det.tick(self.t))
+
+    def scored(self, rank: int = 0) -> tuple[int, int]:
+        """(the frontier, how many steps of ``rank`` its history holds)."""
+        job = self.det.jobs["j"]
+        return job.frontier, int(job.ranks.count[job.ranks.slot[rank]])
+
+
+def test_a_new_run_a_few_steps_back_restarts_the_histories() -> None:
+    """19 steps back, fewer than ``stall_lag_steps``: the steps alone do not tell, the
+    view's count of the runs does."""
+    fed = Fed()
+    fed.steps(0, 220, run=0)
+    fed.steps(201, 211, run=1)
+    assert fed.scored() == (210, 10)
+
+
+def test_a_rank_back_late_on_the_new_timeline_is_waited_for() -> None:
+    """A new run whose rank 3 reports its first steps 3 ticks after the others: its
+    steps and theirs are scored from the run's first, not from where it came back."""
+    fed = Fed()
+    fed.steps(0, 220, run=0)
+    others = [r for r in range(16) if r != 3]
+    fed.steps(41, 71, others, run=1)
+    assert fed.scored() == (-1, 0)  # waited for rank 3
+    fed.feed(range(41, 71), [3], run=1)
+    fed.steps(71, 141, run=1)
+    assert fed.scored(0) == fed.scored(3) == (140, 100)
+
+
+def test_a_rank_that_missed_a_rollback_is_not_a_second_one() -> None:
+    """A rollback to step 41 (generation 1) whose rank 15 lost its batches, then a
+    live migration (generation 2, the steps go on): rank 15's first batch of it is
+    below the steps it last sent, yet the job did not go back again."""
+    fed = Fed()
+    fed.steps(0, 220)
+    fed.steps(41, 101, range(15), gen=1)
+    fed.feed(range(101, 111), [15], gen=2)
+    fed.tick()
+    fed.steps(101, 121, range(15), gen=2)
+    assert (fed.view.jobs["j"].rewinds, fed.view.jobs["j"].rewound) == (1, (0, 1))
+    assert fed.scored() == (110, 70)  # rank 15 is at 110
+
+
+def test_a_job_the_view_forgot_and_took_up_again_starts_over() -> None:
+    """The view forgets the job and takes it up again, at the same count of runs,
+    before a tick: its histories restart."""
+    fed = Fed()
+    fed.steps(0, 10, run=0)
+    fed.steps(5, 225, run=1)
+    fed.view.forget_job("j")
+    fed.steps(201, 211, run=2)  # run 2, the view's first: its count is 1 again
+    assert fed.scored() == (210, 10)
+
+
+def test_a_late_batch_of_the_old_run_waits_the_new_one_no_longer_than_a_stall() -> None:
+    """A rank new to the view whose first batch is a late one of the run left behind
+    holds the new run's scoring back no longer than a rank that stalled would."""
+    fed = Fed()
+    fed.steps(0, 220, run=0)
+    fed.steps(41, 51, run=1)
+    fed.feed(range(200, 210), [16], run=0)
+    fed.steps(51, 141, run=1)
+    assert fed.scored() == (140, 100)
