@@ -234,6 +234,9 @@ def test_the_load_says_how_busy_the_machine_was() -> None:
 
     assert got["cpus"] >= 1
     assert got["load_1m_start"] >= 0 and got["load_1m_end"] >= 0
+    assert got["python_loop_ns"] > 0
+    steal = got["steal_fraction"]  # None where /proc/stat did not move, or is not there
+    assert steal is None or 0 <= steal <= 1
 
 
 def test_rss_growth_is_the_rise_of_the_peak() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -225,12 +226,54 @@ def rss_growth(before: Sequence[Sequence[Any]], after: Sequence[Sequence[Any]]) 
 
 
 class Load:
-    """How loaded this machine was while a benchmark ran: its CPUs and the 1-minute
-    load average at the start and at the end (``as_dict`` once it is over)."""
+    """How loaded and how fast this machine was while a benchmark ran (``as_dict`` once
+    it is over): its CPUs, the 1-minute load average at the start and at the end, the
+    share of CPU time the hypervisor took (steal, where /proc/stat tells), and the
+    speed of one core at the start, as the time of one iteration of a fixed Python
+    loop: a shared VM runs the same code up to twice as fast on one day as on another,
+    so numbers of different days compare only with this beside them."""
 
     def __init__(self) -> None:
         self.start = os.getloadavg()[0]
+        self.loop_ns = python_loop_ns()
+        self.cpu_start = _cpu_times()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"cpus": os.cpu_count(), "load_1m_start": round(self.start, 2),
-                "load_1m_end": round(os.getloadavg()[0], 2)}  # fmt: skip
+        out: dict[str, Any] = {
+            "cpus": os.cpu_count(),
+            "load_1m_start": round(self.start, 2),
+            "load_1m_end": round(os.getloadavg()[0], 2),
+            "python_loop_ns": round(self.loop_ns, 1),
+            "steal_fraction": None,
+        }
+        end = _cpu_times()
+        if self.cpu_start is not None and end is not None:
+            total = sum(end) - sum(self.cpu_start)
+            if total > 0:
+                out["steal_fraction"] = round((end[7] - self.cpu_start[7]) / total, 4)
+        return out
+
+
+def python_loop_ns(n: int = 200_000) -> float:
+    """Nanoseconds per iteration of ``for i in range(n): s += i``, the best of three
+    runs (some 20 ms each): the speed of one core for the interpreter's kind of work."""
+    best = float("inf")
+    for _ in range(3):
+        t0, total = time.perf_counter_ns(), 0
+        for i in range(n):
+            total += i
+        best = min(best, time.perf_counter_ns() - t0)
+    return best / n
+
+
+def _cpu_times() -> list[int] | None:
+    """The machine's CPU times from /proc/stat (user, nice, system, idle, iowait, irq,
+    softirq, steal, ...), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return [int(x) for x in fields[1:9]]
