@@ -711,6 +711,17 @@ class StragglerDetector(Detector):
         for state in states:
             placed.setdefault(state.node, []).append(state.rank)
         job.placed = {node: tuple(sorted(rs)) for node, rs in placed.items()}
+        # A flagged rank the view no longer holds (the job went on without it), or a
+        # flagged machine none of whose ranks it places: nothing of theirs is scored
+        # again, so they would stay flagged, and found no more should they come back.
+        held = {s.rank for s in states}
+        for slot in np.flatnonzero(ranks.flagged[: ranks.n]).tolist():
+            if ranks.keys[slot] not in held:
+                yield from self._unflag(name, job, ranks, slot, now, "rank left the job")
+        machines = job.machines
+        for slot in np.flatnonzero(machines.flagged[: machines.n]).tolist():
+            if machines.node[slot] not in job.placed:
+                yield from self._unflag(name, job, machines, slot, now, "its ranks left the job")
         job.width = max(len(rs) for rs in job.placed.values())
         job.singletons = job.width == 1
         if not job.singletons:  # else the machines are never judged: no slots for them

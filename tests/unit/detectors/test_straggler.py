@@ -466,3 +466,24 @@ def test_a_late_batch_of_the_old_run_waits_the_new_one_no_longer_than_a_stall() 
     fed.feed(range(200, 210), [16], run=0)
     fed.steps(51, 141, run=1)
     assert fed.scored() == (140, 100)
+
+
+@pytest.mark.parametrize("slow", [(13,), (12, 13, 14, 15)], ids=["a rank", "a machine"])
+def test_a_straggler_the_job_went_on_without_is_cleared(slow: tuple[int, ...]) -> None:
+    """Found, then the job goes on with its first 12 ranks (its status says so): the
+    machine of ranks 12 to 15 is cleared, as nothing of it is scored again."""
+    trace = traces.generate(
+        "t", 0, traces.JobShape(**QUIET), traces.Effects(slow=[Slowdown(slow, 60, None, 0.3)])
+    )
+    view = ClusterView()
+    det = StragglerDetector(StragglerConfig(), context=Context(view=view, clock=SystemClock()))
+    out = replay(trace, [det], view).found
+    assert kinds(out) == [("StragglerFound", "node-003")]
+    t = trace.batches[-1][0] + 200.0
+    members = [wire.Member(r, traces.node_of(r, trace.shape), r % 4) for r in range(12)]
+    job = trace.batches[0][1].job
+    view.apply_job_status(wire.JobStatus(ts=t, job=job, generation=1, world_size=12,
+                                         members=members), t)  # fmt: skip
+    cleared = list(det.tick(t + 1))
+    assert [(type(e).__name__, e.node) for e in cleared] == [("StragglerCleared", "node-003")]
+    assert det.jobs[job].flagged_nodes == {}
