@@ -75,6 +75,11 @@ class GpuHealthConfig:
                 raise ConfigError(key + name, "must be > 0")
         if not 0 < self.throttle_fraction <= 1:
             raise ConfigError(key + "throttle_fraction", "must be in (0, 1]")
+        for name in ("throttle_window_s", "rate_window_s"):
+            if self.forget_after_s < getattr(self, name):
+                raise ConfigError(
+                    key + "forget_after_s", f"must be >= {name}: a GPU is judged on its window"
+                )
 
 
 @dataclass
@@ -91,11 +96,15 @@ class _Gpu:
 class _Node:
     """A machine's GPUs, and one throttle window for all of them: a sample each
     ``(when, the GPUs throttled, the GPUs read)``, as bit masks by GPU index, so the
-    usual sample (none throttled) costs one entry, not one per GPU."""
+    usual sample (none throttled) costs one entry, not one per GPU. While one of its
+    samples has a GPU throttled, ``reads`` and ``hot`` count each GPU's samples in the
+    window and its throttled ones (by index); None while none has."""
 
     gpus: dict[int, _Gpu] = field(default_factory=dict)
     window: deque[tuple[float, int, int]] = field(default_factory=deque)
-    hot: int = 0  # samples in ``window`` with a GPU throttled
+    hot_samples: int = 0  # samples in ``window`` with a GPU throttled
+    reads: dict[int, int] | None = None
+    hot: dict[int, int] | None = None
 
 
 class GpuHealthDetector(Detector):
@@ -227,9 +236,9 @@ class GpuHealthDetector(Detector):
 
     def _throttled(self, node: _Node, gpus: list[wire.GpuSample], now: float) -> int:
         """The GPUs of this sample throttled for most samples of a window that is
-        (nearly) full, as a bit mask by index: this sample into the node's window, and
-        the window read GPU by GPU only where one of its samples was throttled. A GPU
-        that could not read its clock event reasons is neither throttled nor counted."""
+        (nearly) full, as a bit mask by index. A GPU that could not read its clock event
+        reasons is neither throttled nor counted. O(1) a sample while none of the
+        window's samples has a GPU throttled; O(GPUs) while one has."""
         cfg = self.config
         mask = cfg.throttle_mask
         hot = read = 0
@@ -240,28 +249,47 @@ class GpuHealthDetector(Detector):
                 if reasons & mask:
                     hot |= 1 << g.index
         window = node.window
+        if window and now < window[-1][0]:
+            self._forget_window(node)  # the clock stepped back: the window starts over
         if read:
             window.append((now, hot, read))
-            node.hot += hot != 0
+            if hot:
+                node.hot_samples += 1
+                if node.reads is None:
+                    _count_window(node)  # the first: count what the window holds
+                else:
+                    _count(node, hot, read, 1)
+            elif node.reads is not None:
+                _count(node, 0, read, 1)
         horizon = now - cfg.throttle_window_s
         while window and window[0][0] < horizon:
-            node.hot -= window.popleft()[1] != 0
-        if not node.hot:
+            _, h, r = window.popleft()
+            if node.reads is not None:
+                _count(node, h, r, -1)
+            if h:
+                node.hot_samples -= 1
+                if not node.hot_samples:
+                    node.reads = node.hot = None  # the usual node again
+        if node.reads is None or node.hot is None:
             return 0  # the usual node: not one sample of the window throttled
-        seen_hot = 0
-        for _, h, _ in window:
-            seen_hot |= h
+        reads, counts = node.reads, node.hot
+        full = now - 0.8 * cfg.throttle_window_s  # a sample before this: (nearly) full
+        oldest, _, oldest_read = window[0]
         out = 0
-        for index in _bits(seen_hot & read):
+        for index in _bits(read & _mask(counts)):
             bit = 1 << index
-            times = [t for t, _, r in window if r & bit]
-            count = sum(1 for _, h, r in window if h & bit)
-            # "Sustained": most samples of a window that is (nearly) full.
-            if times[-1] - times[0] < 0.8 * cfg.throttle_window_s:
-                continue
-            if count >= cfg.throttle_fraction * len(times):
+            # "Sustained": most samples of a window that is (nearly) full, from the
+            # GPU's first sample in it (the window's first, unless not read then).
+            first = oldest if oldest_read & bit else next(t for t, _, r in window if r & bit)
+            if first <= full and counts[index] >= cfg.throttle_fraction * reads[index]:
                 out |= bit
         return out
+
+    @staticmethod
+    def _forget_window(node: _Node) -> None:
+        node.window.clear()
+        node.hot_samples = 0
+        node.reads = node.hot = None
 
     def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
         if value is None:
@@ -315,14 +343,44 @@ class GpuHealthDetector(Detector):
         return iter(())
 
 
+def _count_window(node: _Node) -> None:
+    """Each GPU's samples in the node's window, and its throttled ones, by index."""
+    node.reads, node.hot = {}, {}
+    for _, h, r in node.window:
+        _count(node, h, r, 1)
+
+
+def _count(node: _Node, hot: int, read: int, by: int) -> None:
+    """Add ``by`` to the counts of the GPUs in ``read``, and of those in ``hot``."""
+    reads, counts = node.reads, node.hot
+    assert reads is not None and counts is not None
+    while read:  # as ``_bits``, inline: a sample of a throttled machine does this twice
+        low = read & -read
+        index = low.bit_length() - 1
+        reads[index] = reads.get(index, 0) + by
+        read ^= low
+    while hot:
+        low = hot & -hot
+        index = low.bit_length() - 1
+        counts[index] = counts.get(index, 0) + by
+        hot ^= low
+
+
+def _mask(counts: dict[int, int]) -> int:
+    """The GPUs with a count, as a bit mask by index."""
+    out = 0
+    for index, n in counts.items():
+        if n:
+            out |= 1 << index
+    return out
+
+
 def _bits(mask: int) -> Iterator[int]:
     """The indices of the bits set in ``mask``, lowest first."""
-    index = 0
     while mask:
-        if mask & 1:
-            yield index
-        mask >>= 1
-        index += 1
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def _detail(cause: str, g: wire.GpuSample) -> str:

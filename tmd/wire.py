@@ -107,6 +107,11 @@ class NodeGpu(Message, kw_only=True, frozen=True):
     node: Name
     gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] = []
 
+    def check(self) -> None:
+        """ProtocolError ``schema`` where a GPU's index comes twice: one sample each."""
+        if len({g.index for g in self.gpus}) != len(self.gpus):
+            raise ProtocolError("schema", "a GPU index comes twice in one sample")
+
 
 class XidEvent(Message, kw_only=True, frozen=True):
     """``tmd/v1/node/{node}/xid``, QoS 1. ``ts`` is when the driver reported it."""

@@ -309,6 +309,7 @@ class ClusterView:
             node.gpus = list(status.gpus)
 
     def apply_gpu(self, sample: wire.NodeGpu, now: float) -> None:
+        sample.check()
         node = self._node(sample.node, now)
         node.sample = sample
         if node.state != "online":

@@ -125,6 +125,13 @@ def test_a_machine_s_relayed_batches_count_as_if_each_rank_had_published_them() 
                   wire.encode(wire.NodeIter(ts=t, node="n0", jobs=[short])))  # fmt: skip
     assert sample("tmd_messages_rejected_total", {"reason": "schema"}) == 1
     assert sample("tmd_rank_steps_total", {"outcome": "accepted"}) == 2
+    # A sample with GPU 0 twice: refused whole, on its own topic and relayed.
+    twice = wire.NodeGpu(ts=t, node="n0", gpus=[wire.GpuSample(index=0)] * 2)
+    ingest.handle(wire.node_topic("n0", "gpu"), wire.encode(twice))
+    ingest.handle(wire.node_topic("n0", "iter"), wire.encode(msgspec.structs.replace(
+        relayed, jobs=wire.RelayedBatches.of([batch(0)]), gpu=twice)))  # fmt: skip
+    assert sample("tmd_messages_rejected_total", {"reason": "schema"}) == 3
+    assert sample("tmd_rank_steps_total", {"outcome": "accepted"}) == 2
     # n1's agent speaking for rank 1, which the job's status places on n0.
     elsewhere = wire.NodeIter(ts=t, node="n1", jobs=wire.RelayedBatches.of([batch(1, "n1")]))
     ingest.handle(wire.node_topic("n1", "iter"), wire.encode(elsewhere))

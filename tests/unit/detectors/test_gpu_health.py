@@ -189,3 +189,34 @@ def test_one_throttle_window_per_machine_judges_each_gpu_as_its_own_window_would
         agreed += got == expected
         throttled += expected != 0
     assert agreed == 3000 and throttled > 100
+
+
+def test_a_machine_throttled_for_long_costs_per_gpu_not_per_sample_of_its_window() -> None:
+    """Every GPU of a machine throttled for 10 minutes, a sample a second: found once
+    each, and each sample reads its window's counts, not the window (the counts stay
+    equal to what the window holds)."""
+    det = make(throttle_window_s=60)
+    found: list[tuple[str, str]] = []
+    for t in range(600):
+        gpus = [wire.GpuSample(index=i, clock_event_reasons=0x40) for i in range(8)]
+        found += kinds(det.observe(wire.NodeGpu(ts=T0, node="n", gpus=gpus), T0 + t))
+    assert found == [("GpuDegraded", "throttling")] * 8
+    node = det._nodes["n"]
+    assert len(node.window) == 61 and node.reads == node.hot == {i: 61 for i in range(8)}
+    for t in range(600, 662):  # cool again: the counts go once the window holds no throttle
+        list(det.observe(sample(clock_event_reasons=0), T0 + t))
+    assert node.reads is None and node.hot_samples == 0
+
+
+def test_a_clock_stepped_back_starts_the_throttle_window_over() -> None:
+    det = make(throttle_window_s=20)
+    for t in range(10, 30):
+        list(det.observe(sample(clock_event_reasons=0x40), T0 + t))
+    list(det.observe(sample(clock_event_reasons=0x40), T0 + 5))  # the wall clock stepped back
+    assert len(det._nodes["n"].window) == 1
+
+
+def test_gpus_are_not_forgotten_within_their_windows() -> None:
+    with pytest.raises(ConfigError) as err:
+        make(forget_after_s=30, throttle_window_s=60)
+    assert err.value.key == "detectors.gpu_health.forget_after_s"
