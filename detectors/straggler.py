@@ -312,12 +312,13 @@ def _same(values: I64) -> int | None:
 
 
 class _Units:
-    """A job's units of one kind, its ranks or its machines, a slot each for good (the
-    arrays line up with ``keys``). A unit's history is rows of ring matrices: entry
-    ``i`` since its history (re)started sits in column ``i % width`` of its row, so a
-    step is appended to every unit that has it by one scatter per ring (one column,
-    where all are as far along), and what the judging reads (the last value, a level,
-    the change path's medians) is a reduction along rows. Rings are by entry, not by
+    """A job's units of one kind, its ranks or its machines, a slot each (the arrays
+    line up with ``keys``; a machine's slot is released once it has left the job). A
+    unit's history is rows of ring matrices: entry ``i`` since its history (re)started
+    sits in column ``i % width`` of its row, so a step is appended to every unit that
+    has it by one scatter per ring (one column, where all are as far along), and what
+    the judging reads (the last value, a level, the change path's medians) is a
+    reduction along rows. Rings are by entry, not by
     step: a unit that missed a step (a lost message) keeps its last ``window`` values,
     as a deque would."""
 
@@ -331,6 +332,7 @@ class _Units:
         self.node: list[str] = []
         self.members: list[tuple[int, ...]] = []  # a machine's ranks behind its values
         self.n = 0
+        self.free: list[int] = []  # slots released (``release``): the next ``add``s'
         self.births = 0  # units that have had a value
         widths = (config.change_steps, config.change_base_steps) if change else (0, 0)
         self.count: I64 = np.zeros(0, np.int64)  # entries since its history (re)started
@@ -354,6 +356,11 @@ class _Units:
         self._scratch: F64 = np.zeros(0)
 
     def add(self, key: Key, node: str) -> int:
+        if self.free:  # as ``forget`` left it: a new unit's state
+            slot = self.free.pop()
+            self.keys[slot], self.node[slot], self.members[slot] = key, node, ()
+            self.slot[key] = slot
+            return slot
         if self.n == self.count.shape[0]:
             self._grow(max(8, 2 * self.n))
         slot = self.n
@@ -468,6 +475,15 @@ class _Units:
         self.members[slot] = ()
         self.sizes[slot] = 0
         self.members_ok[slot] = False
+
+    def release(self, slot: int) -> None:
+        """Its unit is gone for good (a machine none of the job's ranks are placed on,
+        after a migration): forgotten, and its slot the next new unit's, so slots do
+        not grow with every machine a long job has ever run on."""
+        self.forget(slot)
+        del self.slot[self.keys[slot]]
+        self.born[slot] = -1
+        self.free.append(slot)
 
     def window_of(self, slot: int) -> list[tuple[int, float]]:
         """Its last ``window`` entries as ``(step, value)``, oldest first."""
@@ -737,6 +753,9 @@ class StragglerDetector(Detector):
         """Each rank's machine slot and place among its ranks, as ``job.placed`` has
         them, and which machines' histories are still of the ranks placed on them."""
         ranks, machines = job.ranks, job.machines
+        for m, node in enumerate(machines.node):
+            if node not in job.placed and machines.slot.get(node) == m:
+                machines.release(m)  # (unflagged in ``_sync``: it was left)
         slots: list[int] = []
         for node in job.placed:
             slot = machines.slot.get(node)

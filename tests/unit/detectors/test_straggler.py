@@ -383,13 +383,16 @@ class Fed:
             StragglerConfig(), context=Context(view=self.view, clock=SystemClock())
         )
         self.t = 1000.0
+        self.node = {r: f"n{r // 4}" for r in range(16)}  # where each rank runs
+        self.slow: dict[int, float] = {}  # rank -> its step time's factor
 
     def feed(
         self, steps: range, ranks: Any = range(16), *, run: int | None = None, gen: int = 0
     ) -> None:
         for r in ranks:
-            rows = [(s, self.t, 1.0 + 0.01 * (r % 5), 0.9, 0.05, 0.03, 0.02) for s in steps]
-            self.view.apply_steps("j", r, f"n{r // 4}", gen, run, rows, self.t)
+            step_s = (1.0 + 0.01 * (r % 5)) * self.slow.get(r, 1.0)
+            rows = [(s, self.t, step_s, 0.9, 0.05, 0.03, 0.02) for s in steps]
+            self.view.apply_steps("j", r, self.node.get(r, f"n{r // 4}"), gen, run, rows, self.t)
 
     def steps(
         self, start: int, stop: int, ranks: Any = range(16), *, run: int | None = None,
@@ -487,3 +490,25 @@ def test_a_straggler_the_job_went_on_without_is_cleared(slow: tuple[int, ...]) -
     cleared = list(det.tick(t + 1))
     assert [(type(e).__name__, e.node) for e in cleared] == [("StragglerCleared", "node-003")]
     assert det.jobs[job].flagged_nodes == {}
+
+
+def test_machines_migrated_away_give_their_slots_to_the_next() -> None:
+    """A long job whose machine n1 is migrated 12 times: the detector holds a slot for
+    each machine the job runs on now (and the one just left), not for every machine it
+    ever ran on, and finds the machine it runs on last when that one is slow."""
+    fed = Fed()
+    fed.steps(0, 100)
+    for k in range(12):
+        for r in range(4, 8):
+            fed.node[r] = f"m{k}"
+        fed.steps(100 + 40 * k, 140 + 40 * k)
+    job = fed.det.jobs["j"]
+    assert job.machines.n <= 5 and sorted(job.machines.slot) == ["m11", "n0", "n2", "n3"]
+    for r in range(4, 8):
+        fed.slow[r] = 1.3
+    found = []
+    for s0 in range(580, 700, 10):
+        fed.feed(range(s0, s0 + 10))
+        fed.t += 1.0
+        found += [e.node for e in fed.det.tick(fed.t) if isinstance(e, events.StragglerFound)]
+    assert found == ["m11"]
