@@ -63,7 +63,7 @@ def step_latencies(ends: Iterable[float], applied_at: float) -> list[float]:
     return [applied_at - end for end in ends]
 
 
-def relayed_ends(relayed: wire.RelayedBatches, taken: Sequence[int]) -> Iterable[float]:
+def relayed_ends(relayed: wire.RelayedBatches, taken: Sequence[int]) -> Sequence[float]:
     """The ``end_ts`` of every step of the batches ``taken`` from ``relayed``."""
     if len(taken) == len(relayed.count):
         return relayed.end_ts  # the usual message: every batch taken
@@ -91,16 +91,26 @@ class BenchIngest(Ingest):
             metrics=daemon.metrics,
             clock=daemon.clock,
         )
-        self.latencies: array[float] = array("d")
+        # When each message's steps were applied, and their ends: the latencies are
+        # worked out after the run, so what the bench records costs the daemon little.
+        self._applied_at: list[tuple[float, Sequence[float]]] = []
         self._stock_iterator = stock_iterator
+
+    @property
+    def latencies(self) -> array[float]:
+        """Every rank-step applied so far, its latency (``step_latencies``)."""
+        out: array[float] = array("d")
+        for now, ends in self._applied_at:
+            out.extend(step_latencies(ends, now))
+        return out
 
     def _applied(self, sent: float, rows: Sequence[wire.Row], now: float) -> None:
         super()._applied(sent, rows, now)  # a rank's own batch
-        self.latencies.extend(step_latencies([row[1] for row in rows], now))
+        self._applied_at.append((now, [row[1] for row in rows]))
 
     def _relayed_applied(self, relayed: wire.RelayedBatches, taken: list[int], now: float) -> None:
         super()._relayed_applied(relayed, taken, now)  # batches relayed by their agent
-        self.latencies.extend(step_latencies(relayed_ends(relayed, taken), now))
+        self._applied_at.append((now, relayed_ends(relayed, taken)))
 
     def _reads_inline(self) -> bool:
         return not self._stock_iterator
@@ -213,7 +223,7 @@ async def _measure(
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
-        latencies = ingest.latencies
+        latencies = ingest.latencies  # (worked out once)
         messages = result.messages
         return {
             "ranks": ranks,
