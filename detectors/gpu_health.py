@@ -273,15 +273,17 @@ class GpuHealthDetector(Detector):
         if node.reads is None or node.hot is None:
             return 0  # the usual node: not one sample of the window throttled
         reads, counts = node.reads, node.hot
-        full = now - 0.8 * cfg.throttle_window_s  # a sample before this: (nearly) full
+        span = 0.8 * cfg.throttle_window_s  # of a window (nearly) full
         oldest, _, oldest_read = window[0]
         out = 0
         for index in _bits(read & _mask(counts)):
+            if counts[index] < cfg.throttle_fraction * reads[index]:
+                continue
             bit = 1 << index
             # "Sustained": most samples of a window that is (nearly) full, from the
             # GPU's first sample in it (the window's first, unless not read then).
             first = oldest if oldest_read & bit else next(t for t, _, r in window if r & bit)
-            if first <= full and counts[index] >= cfg.throttle_fraction * reads[index]:
+            if now - first >= span:
                 out |= bit
         return out
 
