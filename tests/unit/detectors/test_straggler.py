@@ -487,7 +487,7 @@ def test_a_straggler_the_job_went_on_without_is_cleared(slow: tuple[int, ...]) -
     job = trace.batches[0][1].job
     view.apply_job_status(wire.JobStatus(ts=t, job=job, generation=1, world_size=12,
                                          members=members), t)  # fmt: skip
-    cleared = list(det.tick(t + 1))
+    cleared = [e for e in det.tick(t + 1) if isinstance(e, events.Finding)]
     assert [(type(e).__name__, e.node) for e in cleared] == [("StragglerCleared", "node-003")]
     assert det.jobs[job].flagged_nodes == {}
 
@@ -512,3 +512,45 @@ def test_machines_migrated_away_give_their_slots_to_the_next() -> None:
         fed.t += 1.0
         found += [e.node for e in fed.det.tick(fed.t) if isinstance(e, events.StragglerFound)]
     assert found == ["m11"]
+
+
+def test_a_machine_the_job_left_and_one_that_came_back_start_afresh() -> None:
+    """The slow machine n3 is found; the job goes on without it (its status), then
+    takes a new machine n9 in its place (n3's slot, its history and flag not with
+    it), then n3 again, still slow: found again, as a machine new to the job."""
+    fed = Fed()
+    for r in range(12, 16):
+        fed.slow[r] = 1.3
+    view = fed.view
+    found: list[tuple[str, str]] = []
+
+    def status(world: int) -> None:
+        members = [wire.Member(r, fed.node[r], r % 4) for r in range(world)]
+        view.apply_job_status(wire.JobStatus(ts=fed.t, job="j", generation=0,
+                                             world_size=world, members=members), fed.t)  # fmt: skip
+
+    def steps(start: int, stop: int, ranks: Any = range(16)) -> None:
+        for s0 in range(start, stop, 10):
+            fed.feed(range(s0, s0 + 10), ranks)
+            fed.t += 1.0
+            found.extend(
+                (type(e).__name__, e.node)
+                for e in fed.det.tick(fed.t)
+                if isinstance(e, events.Finding)
+            )
+
+    steps(0, 150)
+    status(12)
+    steps(150, 200, range(12))
+    for r in range(12, 16):
+        fed.node[r], fed.slow[r] = "n9", 1.0
+    status(16)
+    steps(200, 300)
+    job = fed.det.jobs["j"]
+    assert found == [("StragglerFound", "n3"), ("StragglerCleared", "n3")]
+    assert job.machines.n == 4  # n9 in n3's slot
+    for r in range(12, 16):
+        fed.node[r], fed.slow[r] = "n3", 1.3
+    status(16)
+    steps(300, 450)
+    assert found[2:] == [("StragglerFound", "n3")] and job.machines.n == 4

@@ -35,6 +35,9 @@ from itertools import accumulate
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from tmd import config as config_mod
 from tmd import log, wire
 from tmd.daemon import events
@@ -91,26 +94,32 @@ class BenchIngest(Ingest):
             metrics=daemon.metrics,
             clock=daemon.clock,
         )
-        # When each message's steps were applied, and their ends: the latencies are
+        # When each message's steps were applied, how many, and their ends, in flat
+        # arrays (no object per message for the collector to walk): the latencies are
         # worked out after the run, so what the bench records costs the daemon little.
-        self._applied_at: list[tuple[float, Sequence[float]]] = []
+        self._at: array[float] = array("d")
+        self._steps_of: array[int] = array("q")
+        self._ends: array[float] = array("d")
         self._stock_iterator = stock_iterator
 
-    @property
-    def latencies(self) -> array[float]:
-        """Every rank-step applied so far, its latency (``step_latencies``)."""
-        out: array[float] = array("d")
-        for now, ends in self._applied_at:
-            out.extend(step_latencies(ends, now))
+    def latencies(self) -> npt.NDArray[np.float64]:
+        """Every rank-step applied so far, its latency (as ``step_latencies``)."""
+        at = np.repeat(np.array(self._at), np.array(self._steps_of, np.int64))
+        out: npt.NDArray[np.float64] = at - np.array(self._ends)
         return out
+
+    def _record(self, ends: Sequence[float], now: float) -> None:
+        self._at.append(now)
+        self._steps_of.append(len(ends))
+        self._ends.extend(ends)
 
     def _applied(self, sent: float, rows: Sequence[wire.Row], now: float) -> None:
         super()._applied(sent, rows, now)  # a rank's own batch
-        self._applied_at.append((now, [row[1] for row in rows]))
+        self._record([row[1] for row in rows], now)
 
     def _relayed_applied(self, relayed: wire.RelayedBatches, taken: list[int], now: float) -> None:
         super()._relayed_applied(relayed, taken, now)  # batches relayed by their agent
-        self._applied_at.append((now, relayed_ends(relayed, taken)))
+        self._record(relayed_ends(relayed, taken), now)
 
     def _reads_inline(self) -> bool:
         return not self._stock_iterator
@@ -223,7 +232,7 @@ async def _measure(
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
-        latencies = ingest.latencies  # (worked out once)
+        latencies = ingest.latencies().tolist()
         messages = result.messages
         return {
             "ranks": ranks,
