@@ -734,6 +734,9 @@ class StragglerDetector(Detector):
         for slot in np.flatnonzero(ranks.flagged[: ranks.n]).tolist():
             if ranks.keys[slot] not in held:
                 yield from self._unflag(name, job, ranks, slot, now, "rank left the job")
+        for slot in np.flatnonzero(ranks.count[: ranks.n]).tolist():
+            if ranks.keys[slot] not in held:
+                ranks.restart(slot)  # its last levels are not a peer's now (``_estimate``)
         machines = job.machines
         for slot in np.flatnonzero(machines.flagged[: machines.n]).tolist():
             if machines.node[slot] not in job.placed:

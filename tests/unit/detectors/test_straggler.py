@@ -490,6 +490,8 @@ def test_a_straggler_the_job_went_on_without_is_cleared(slow: tuple[int, ...]) -
     cleared = [e for e in det.tick(t + 1) if isinstance(e, events.Finding)]
     assert [(type(e).__name__, e.node) for e in cleared] == [("StragglerCleared", "node-003")]
     assert det.jobs[job].flagged_nodes == {}
+    ranks = det.jobs[job].ranks  # their histories gone from the peers' pool too
+    assert [int(ranks.count[ranks.slot[r]]) for r in (11, 12, 15)] == [220, 0, 0]
 
 
 def test_machines_migrated_away_give_their_slots_to_the_next() -> None:
