@@ -318,9 +318,8 @@ class _Units:
     sits in column ``i % width`` of its row, so a step is appended to every unit that
     has it by one scatter per ring (one column, where all are as far along), and what
     the judging reads (the last value, a level, the change path's medians) is a
-    reduction along rows. Rings are by entry, not by
-    step: a unit that missed a step (a lost message) keeps its last ``window`` values,
-    as a deque would."""
+    reduction along rows. Rings are by entry, not by step: a unit that missed a step
+    (a lost message) keeps its last ``window`` values, as a deque would."""
 
     def __init__(self, config: StragglerConfig, *, change: bool) -> None:
         self.window = config.window_steps
