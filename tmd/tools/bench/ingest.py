@@ -302,11 +302,12 @@ def holds(r: Mapping[str, Any]) -> bool:
 
 
 def _search(
-    host: str, port: int, start: int, start_holds: bool, flush_s: float, via: str,
-    relay_sample: bool, broker_pid: int | None,
+    host: str, port: int, start: int, start_holds: bool, seconds: float, flush_s: float,
+    via: str, relay_sample: bool, broker_pid: int | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Double N from ``start`` until the target fails (halve it while it fails), then
-    bisect to within 1/8."""
+    bisect to within 1/8; each run ``seconds`` long, as the one at ``start`` (a shorter
+    run holds more: the backlog of a daemon falling behind grows with the run)."""
     tried: list[dict[str, Any]] = []
 
     def holds_at(n: int) -> bool:
@@ -315,7 +316,7 @@ def _search(
                 host=host,
                 port=port,
                 ranks=n,
-                seconds=10.0,
+                seconds=seconds,
                 flush_s=flush_s,
                 stock_iterator=False,
                 via=via,
@@ -392,7 +393,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--search-max",
         action="store_true",
-        help="also double N from --ranks until the target fails (10 s runs)",
+        help="also double N from --ranks until the target fails (runs of --seconds)",
     )
     p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = p.parse_args(argv)
@@ -442,8 +443,8 @@ def main(argv: list[str]) -> int:
             out["cpu_ratio_vs_iterator"] = None if ratio is None else round(ratio, 3)
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
-            found = _search(host, port, args.ranks, out["holds_target"], args.flush_s, args.via,
-                            args.relay_sample, broker_pid)  # fmt: skip
+            found = _search(host, port, args.ranks, out["holds_target"], args.seconds,
+                            args.flush_s, args.via, args.relay_sample, broker_pid)  # fmt: skip
             out.update(found)
     out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
