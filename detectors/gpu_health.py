@@ -106,6 +106,58 @@ class _Node:
     reads: dict[int, int] | None = None
     hot: dict[int, int] | None = None
 
+    def add(self, now: float, hot: int, read: int) -> None:
+        """A sample into the window (none where no GPU was read), and into the counts
+        while there are any; the first throttled one counts what the window holds."""
+        window = self.window
+        if window and now < window[-1][0]:
+            self.clear()  # the clock stepped back: the window starts over
+        if not read:
+            return
+        window.append((now, hot, read))
+        if hot:
+            self.hot_samples += 1
+            if self.reads is None:
+                self.reads, self.hot = {}, {}
+                for _, h, r in window:
+                    self._count(h, r, 1)
+                return
+        if self.reads is not None:
+            self._count(hot, read, 1)
+
+    def prune(self, horizon: float) -> None:
+        """The samples before ``horizon`` out of the window and the counts, and the
+        counts gone with the last throttled sample (the usual node again)."""
+        window = self.window
+        while window and window[0][0] < horizon:
+            _, h, r = window.popleft()
+            if self.reads is not None:
+                self._count(h, r, -1)
+            if h:
+                self.hot_samples -= 1
+                if not self.hot_samples:
+                    self.reads = self.hot = None
+
+    def clear(self) -> None:
+        self.window.clear()
+        self.hot_samples = 0
+        self.reads = self.hot = None
+
+    def _count(self, hot: int, read: int, by: int) -> None:
+        """Add ``by`` to the counts of the GPUs in ``read``, and of those in ``hot``."""
+        reads, counts = self.reads, self.hot
+        assert reads is not None and counts is not None
+        while read:  # as ``_bits``, inline: a sample of a throttled machine does this twice
+            low = read & -read
+            index = low.bit_length() - 1
+            reads[index] = reads.get(index, 0) + by
+            read ^= low
+        while hot:
+            low = hot & -hot
+            index = low.bit_length() - 1
+            counts[index] = counts.get(index, 0) + by
+            hot ^= low
+
 
 class GpuHealthDetector(Detector):
     name = "gpu_health"
@@ -248,32 +300,13 @@ class GpuHealthDetector(Detector):
                 read |= 1 << g.index
                 if reasons & mask:
                     hot |= 1 << g.index
-        window = node.window
-        if window and now < window[-1][0]:
-            self._forget_window(node)  # the clock stepped back: the window starts over
-        if read:
-            window.append((now, hot, read))
-            if hot:
-                node.hot_samples += 1
-                if node.reads is None:
-                    _count_window(node)  # the first: count what the window holds
-                else:
-                    _count(node, hot, read, 1)
-            elif node.reads is not None:
-                _count(node, 0, read, 1)
-        horizon = now - cfg.throttle_window_s
-        while window and window[0][0] < horizon:
-            _, h, r = window.popleft()
-            if node.reads is not None:
-                _count(node, h, r, -1)
-            if h:
-                node.hot_samples -= 1
-                if not node.hot_samples:
-                    node.reads = node.hot = None  # the usual node again
+        node.add(now, hot, read)
+        node.prune(now - cfg.throttle_window_s)
         if node.reads is None or node.hot is None:
             return 0  # the usual node: not one sample of the window throttled
         reads, counts = node.reads, node.hot
         span = 0.8 * cfg.throttle_window_s  # of a window (nearly) full
+        window = node.window
         oldest, _, oldest_read = window[0]
         out = 0
         for index in _bits(read & _mask(counts)):
@@ -286,12 +319,6 @@ class GpuHealthDetector(Detector):
             if now - first >= span:
                 out |= bit
         return out
-
-    @staticmethod
-    def _forget_window(node: _Node) -> None:
-        node.window.clear()
-        node.hot_samples = 0
-        node.reads = node.hot = None
 
     def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
         if value is None:
@@ -343,29 +370,6 @@ class GpuHealthDetector(Detector):
                 del self._reported[key]
             self._nodes.pop(status.node, None)
         return iter(())
-
-
-def _count_window(node: _Node) -> None:
-    """Each GPU's samples in the node's window, and its throttled ones, by index."""
-    node.reads, node.hot = {}, {}
-    for _, h, r in node.window:
-        _count(node, h, r, 1)
-
-
-def _count(node: _Node, hot: int, read: int, by: int) -> None:
-    """Add ``by`` to the counts of the GPUs in ``read``, and of those in ``hot``."""
-    reads, counts = node.reads, node.hot
-    assert reads is not None and counts is not None
-    while read:  # as ``_bits``, inline: a sample of a throttled machine does this twice
-        low = read & -read
-        index = low.bit_length() - 1
-        reads[index] = reads.get(index, 0) + by
-        read ^= low
-    while hot:
-        low = hot & -hot
-        index = low.bit_length() - 1
-        counts[index] = counts.get(index, 0) + by
-        hot ^= low
 
 
 def _mask(counts: dict[int, int]) -> int:
