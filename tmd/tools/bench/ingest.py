@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, suppress
 from itertools import accumulate
 from multiprocessing.process import BaseProcess
@@ -59,11 +59,12 @@ of the flush interval and the step. Behind by a whole one, it merges batches: fe
 larger messages, a lighter load than N ranks offer. Half is the margin allowed."""
 
 
-def step_latencies(ends: Iterable[float], applied_at: float) -> list[float]:
-    """Seconds from the end of each step (``ends``, their ``end_ts``) to ``applied_at``,
-    when the daemon applied it: a step that waited in the runtime's batch, or in its
-    machine's agent, waited for the user."""
-    return [applied_at - end for end in ends]
+def step_latencies(ends: npt.ArrayLike, applied_at: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """Seconds from the end of each step (``ends``, their ``end_ts``) to ``applied_at``
+    (one time, or one per step), when the daemon applied it: a step that waited in the
+    runtime's batch, or in its machine's agent, waited for the user."""
+    out: npt.NDArray[np.float64] = np.asarray(applied_at, np.float64) - np.asarray(ends, np.float64)
+    return out
 
 
 def relayed_ends(relayed: wire.RelayedBatches, taken: Sequence[int]) -> Sequence[float]:
@@ -103,10 +104,9 @@ class BenchIngest(Ingest):
         self._stock_iterator = stock_iterator
 
     def latencies(self) -> npt.NDArray[np.float64]:
-        """Every rank-step applied so far, its latency (as ``step_latencies``)."""
-        at = np.repeat(np.array(self._at), np.array(self._steps_of, np.int64))
-        out: npt.NDArray[np.float64] = at - np.array(self._ends)
-        return out
+        """Every rank-step applied so far, its latency (``step_latencies``)."""
+        at = np.repeat(np.asarray(self._at), np.asarray(self._steps_of, np.int64))
+        return step_latencies(self._ends, at)
 
     def _record(self, ends: Sequence[float], now: float) -> None:
         self._at.append(now)
