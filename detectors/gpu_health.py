@@ -82,14 +82,24 @@ class GpuHealthConfig:
                 )
 
 
-@dataclass
 class _Gpu:
-    last_seen: float = 0.0
-    degraded: set[str] = field(default_factory=set)  # causes reported and not yet re-armed
-    counters: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
-    # The last value of each replay counter (``_rising``): the usual sample repeats it.
-    nvlink: int | None = None
-    pcie: int | None = None
+    """One GPU as the samples showed it. A plain class with slots: a cluster's first
+    samples make one per GPU (131,072 of them at once), and a dataclass with factory
+    defaults cost several times more to make."""
+
+    __slots__ = ("counters", "degraded", "last_seen", "nvlink", "nvlink_at", "pcie", "pcie_at")
+
+    def __init__(self) -> None:
+        self.last_seen = 0.0
+        self.degraded: set[str] = set()  # causes reported and not yet re-armed
+        # Each replay counter's changes in the rate window (``_rising``), from its
+        # second value on: the usual GPU's counters never move, and need none.
+        self.counters: dict[str, deque[tuple[float, int]]] = {}
+        # The last value of each replay counter: the usual sample repeats it. And when
+        # it was first read, where a rise is measured from until it has changed.
+        self.nvlink: int | None = None
+        self.pcie: int | None = None
+        self.nvlink_at = self.pcie_at = 0.0
 
 
 @dataclass
@@ -256,15 +266,25 @@ class GpuHealthDetector(Detector):
                     now,
                 )
             # A counter that did not move is not rising (``_rising``): the usual sample.
+            # Its first value is where a rise is measured from.
             nvlink = pcie = False
-            if g.nvlink_replay is not None and g.nvlink_replay != gpu.nvlink:
-                gpu.nvlink = g.nvlink_replay
-                nvlink = self._rising(
-                    gpu, "nvlink", g.nvlink_replay, now, cfg.nvlink_replay_per_min
-                )
-            if g.pcie_replay is not None and g.pcie_replay != gpu.pcie:
-                gpu.pcie = g.pcie_replay
-                pcie = self._rising(gpu, "pcie", g.pcie_replay, now, cfg.pcie_replay_per_min)
+            value = g.nvlink_replay
+            if value is not None and value != gpu.nvlink:
+                if gpu.nvlink is None:
+                    gpu.nvlink_at = now
+                else:
+                    first = (gpu.nvlink_at, gpu.nvlink)
+                    nvlink = self._rising(gpu, "nvlink", first, value, now,
+                                          cfg.nvlink_replay_per_min)  # fmt: skip
+                gpu.nvlink = value
+            value = g.pcie_replay
+            if value is not None and value != gpu.pcie:
+                if gpu.pcie is None:
+                    gpu.pcie_at = now
+                else:
+                    first = (gpu.pcie_at, gpu.pcie)
+                    pcie = self._rising(gpu, "pcie", first, value, now, cfg.pcie_replay_per_min)
+                gpu.pcie = value
             throttling = bool(throttled >> index & 1)
             pending_remap, pending_retire = bool(g.remap_pending), bool(g.retired_pages_pending)
             if not (
@@ -320,12 +340,16 @@ class GpuHealthDetector(Detector):
                 out |= bit
         return out
 
-    def _rising(self, gpu: _Gpu, name: str, value: int | None, now: float, per_min: float) -> bool:
-        if value is None:
-            return False
+    def _rising(
+        self, gpu: _Gpu, name: str, first: tuple[float, int], value: int, now: float,
+        per_min: float,
+    ) -> bool:  # fmt: skip
+        """Whether counter ``name`` of ``gpu``, now at ``value`` (another than its last),
+        rises faster than ``per_min`` over the rate window; ``first``, its first reading
+        ``(when, value)``, starts its history at its first change."""
         history = gpu.counters.get(name)
-        if history is None:  # not setdefault: a deque built per call, twice per GPU sample
-            history = gpu.counters[name] = deque()
+        if history is None:
+            history = gpu.counters[name] = deque([first])
         if history and value == history[-1][1]:
             return False  # not rising now; the next rise is measured from the last change
         if history and value < history[-1][1]:

@@ -61,8 +61,7 @@ class StepColumns:
                 self._grow(2 * self.capacity)
             col = self.n
             self.n += 1
-        self.rank[col] = rank
-        self.step[:, col] = -1
+        self.rank[col] = rank  # its rows hold no step: new, or emptied by ``give_back``
         return col
 
     def give_back(self, col: int) -> None:
@@ -70,7 +69,15 @@ class StepColumns:
         self.step[:, col] = -1
         self.free.append(col)
 
+    def reserve(self, ranks: int) -> None:
+        """Room for ``ranks`` columns in all, made now: a job whose status lists its
+        members takes one allocation for them rather than a copy at each doubling
+        (at 131,072 ranks the doublings copied 0.6 GB, seconds of the first step)."""
+        if ranks > self.capacity:
+            self._grow(ranks)
+
     def _grow(self, capacity: int) -> None:
+        """Room for ``capacity`` columns; the new ones hold no step."""
         old = self.capacity
         step = np.full((self.window, capacity), -1, np.int64)
         step[:, :old] = self.step

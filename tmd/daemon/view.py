@@ -163,7 +163,7 @@ class ClusterView:
             job = self._job(job_name, now)
         if state is None:
             if job.cols is None:
-                job.cols = StepColumns(self.window_steps)
+                job.cols = StepColumns(self.window_steps, max(8, len(job.members)))
             state = job.ranks[rank] = RankState(rank, node, job.cols)
             self.total_ranks += 1
             self._hold(job, _held(len(job.ranks), job))
@@ -218,19 +218,22 @@ class ClusterView:
         happen to it."""
         name = relayed.job
         ranks, generations, runs = relayed.rank, relayed.generation, relayed.run
-        columns = relayed.steps()
+        step_col, end_col = relayed.step, relayed.end_ts
+        s0, s1, s2, s3, s4 = (relayed.step_s, relayed.compute_s, relayed.allreduce_s,
+                              relayed.optimizer_s, relayed.data_s)  # fmt: skip
         taken: list[int] = []
         refused: list[tuple[int, ProtocolError]] = []
         job = self.jobs.get(name)
+        accepted = duplicate = late = 0
+        pos = 0  # the first step of batch i in the step columns
         for i, count in enumerate(relayed.count):
+            first, pos = pos, pos + count
             rank, generation, run = ranks[i], generations[i], runs[i]
             state = None
             if job is not None:
                 placed = job.members.get(rank)
                 if placed is not None and placed != node and generation >= job.generation:
                     refused.append((i, ProtocolError("mismatch", f"rank {rank} runs on {placed}")))
-                    for _ in range(count):
-                        next(columns)
                     continue
                 state = job.ranks.get(rank)
             if (
@@ -241,14 +244,46 @@ class ClusterView:
             ):
                 # Held, so within the job's bounds; neither a new run nor a new or old
                 # generation: nothing to reset, no step from a rolled-back timeline.
+                # Each step as ``RankState.add`` takes it, inline (the usual message
+                # brings one step of each of a machine's ranks, and a call per step
+                # was a fifth of the daemon's time).
                 state.node = node
                 state.last_seen = now
                 job.last_seen = now
-                add = state.add
-                for _ in range(count):
-                    add(into, *next(columns))
+                cols, col, window = state.cols, state.col, state.window
+                w_step, w_end, t = cols.w_step, cols.w_end_ts, cols.w_timings
+                last = state.last_step
+                oldest = last - window
+                took = 0
+                for k in range(first, pos):
+                    step = step_col[k]
+                    if step <= oldest:
+                        late += 1
+                        state.late += 1
+                        continue
+                    slot = step % window
+                    if w_step[slot, col] == step:
+                        duplicate += 1
+                        state.duplicates += 1
+                        continue
+                    w_step[slot, col] = step
+                    w_end[slot, col] = end_col[k]
+                    t[slot, col] = s0[k]
+                    t[window + slot, col] = s1[k]
+                    t[2 * window + slot, col] = s2[k]
+                    t[3 * window + slot, col] = s3[k]
+                    t[4 * window + slot, col] = s4[k]
+                    if step > last:
+                        last = step
+                        oldest = last - window
+                    took += 1
+                state.last_step = last
+                state.total_steps += took
+                accepted += took
             else:
-                rows = [next(columns) for _ in range(count)]
+                rows = list(zip(step_col[first:pos], end_col[first:pos], s0[first:pos],
+                                s1[first:pos], s2[first:pos], s3[first:pos], s4[first:pos],
+                                strict=True))  # fmt: skip
                 try:
                     self.apply_steps(name, rank, node, generation, run, rows, now, into)
                 except ProtocolError as exc:
@@ -256,6 +291,9 @@ class ClusterView:
                     continue
                 job = self.jobs.get(name)  # the first batch of a new job made it
             taken.append(i)
+        into.accepted += accepted
+        into.duplicate += duplicate
+        into.late += late
         return taken, refused
 
     def apply_job_status(self, status: wire.JobStatus, now: float) -> None:
@@ -291,6 +329,8 @@ class ClusterView:
         job.members = members
         job.local_ranks = {m.rank: m.local_rank for m in status.members}
         job.standbys = standbys
+        if job.cols is not None:
+            job.cols.reserve(len(members))
         for rank in gone:
             state = job.ranks.pop(rank)
             state.cols.give_back(state.col)
