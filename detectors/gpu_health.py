@@ -91,10 +91,12 @@ class _Gpu:
 
     def __init__(self) -> None:
         self.last_seen = 0.0
-        self.degraded: set[str] = set()  # causes reported and not yet re-armed
+        # Causes reported and not yet re-armed; None: none ever (the usual GPU: neither
+        # this nor ``counters`` is made for it, each one object fewer for the collector).
+        self.degraded: set[str] | None = None
         # Each replay counter's changes in the rate window (``_rising``), from its
         # second value on: the usual GPU's counters never move, and need none.
-        self.counters: dict[str, deque[tuple[float, int]]] = {}
+        self.counters: dict[str, deque[tuple[float, int]]] | None = None
         # The last value of each replay counter: the usual sample repeats it. And when
         # it was first read, where a rise is measured from until it has changed.
         self.nvlink: int | None = None
@@ -301,9 +303,11 @@ class GpuHealthDetector(Detector):
             for cause, bad in conditions.items():
                 key = (name, index, cause)
                 if bad:
+                    if gpu.degraded is None:
+                        gpu.degraded = set()
                     gpu.degraded.add(cause)
                     yield from self._report(False, name, index, cause, _detail(cause, g), now)
-                elif cause in gpu.degraded and self._rearmed(key, now):
+                elif gpu.degraded and cause in gpu.degraded and self._rearmed(key, now):
                     gpu.degraded.discard(cause)
 
     def _throttled(self, node: _Node, gpus: list[wire.GpuSample], now: float) -> int:
@@ -347,6 +351,8 @@ class GpuHealthDetector(Detector):
         """Whether counter ``name`` of ``gpu``, now at ``value`` (another than its last),
         rises faster than ``per_min`` over the rate window; ``first``, its first reading
         ``(when, value)``, starts its history at its first change."""
+        if gpu.counters is None:
+            gpu.counters = {}
         history = gpu.counters.get(name)
         if history is None:
             history = gpu.counters[name] = deque([first])

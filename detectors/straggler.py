@@ -290,7 +290,10 @@ class _Unit:
 
 
 def _grown(a: A, capacity: int, fill: float) -> A:
-    out = np.full((capacity, *a.shape[1:]), fill, a.dtype)
+    shape = (capacity, *a.shape[1:])
+    # Zeros from the allocator cost nothing until written: the rows of a job's
+    # 131,072 ranks are hundreds of MB, which a fill would touch at once.
+    out = np.zeros(shape, a.dtype) if fill == 0 else np.full(shape, fill, a.dtype)
     out[: a.shape[0]] = a
     return cast(A, out)
 
@@ -369,6 +372,12 @@ class _Units:
         self.node.append(node)
         self.members.append(())
         return slot
+
+    def reserve(self, units: int) -> None:
+        """Room for ``units`` in all, made now: a job's ranks seen for the first time
+        take one allocation, not a copy at each doubling."""
+        if units > self.count.shape[0]:
+            self._grow(units)
 
     def _grow(self, capacity: int) -> None:
         self.count = _grown(self.count, capacity, 0)
@@ -707,6 +716,7 @@ class StragglerDetector(Detector):
         if states == job.states and nodes == job.nodes and job.col_slot.size == cols.n:
             return  # (the columns handed out are those mapped: none taken since)
         ranks = job.ranks
+        ranks.reserve(len(states))
         moved: list[tuple[int, str]] = []
         for state in states:
             slot = ranks.slot.get(state.rank)
@@ -759,6 +769,7 @@ class StragglerDetector(Detector):
             if node not in job.placed and machines.slot.get(node) == m:
                 machines.release(m)  # (unflagged in ``_sync``: it was left)
         slots: list[int] = []
+        machines.reserve(len(job.placed))
         for node in job.placed:
             slot = machines.slot.get(node)
             slots.append(machines.add(node, node) if slot is None else slot)

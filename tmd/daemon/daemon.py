@@ -11,7 +11,8 @@ a task that also measures the event loop's lag, so a stalled loop stops the ping
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import gc
+from typing import Any, Final
 
 from tmd import detectors, log, policies, sdnotify
 from tmd.clock import Clock, SystemClock
@@ -30,6 +31,20 @@ from tmd.policies.base import Stragglers
 
 HOUSEKEEPING_INTERVAL_S = 60.0
 LAG_PROBE_INTERVAL_S = 1.0
+FULL_COLLECTION_EVERY: Final = 100
+"""Middle-generation collections per full one, at least (``collect_rarely``)."""
+
+
+def collect_rarely() -> None:
+    """Python starts a full collection every 10 collections of its middle generation,
+    once what outlived them grew by a quarter, and a full one walks every tracked
+    object. A cluster's first reports make objects by the rank and by the GPU (some
+    450,000 at 131,072 ranks): measured, six full collections in that first second,
+    0.53 s of the daemon's time when its backlog is largest. Every 100 instead: one.
+    Young objects are collected as before; cyclic garbage that outlived two young
+    collections waits longer for the full one (some 700,000 net allocations)."""
+    young, middle, full = gc.get_threshold()
+    gc.set_threshold(young, middle, max(full, FULL_COLLECTION_EVERY))
 
 
 def plugin_specs(config: Config) -> list[plugins.Spec]:
@@ -148,6 +163,7 @@ class Daemon:
         }
 
     async def run(self) -> None:
+        collect_rarely()  # the daemon owns its process
         try:
             await self.api.start()
             async with asyncio.TaskGroup() as tg:
