@@ -163,7 +163,8 @@ class ClusterView:
             job = self._job(job_name, now)
         if state is None:
             if job.cols is None:
-                job.cols = StepColumns(self.window_steps, max(8, len(job.members)))
+                job.cols = StepColumns(self.window_steps)
+                self._reserve(job, len(job.members))
             state = job.ranks[rank] = RankState(rank, node, job.cols)
             self.total_ranks += 1
             self._hold(job, _held(len(job.ranks), job))
@@ -329,13 +330,24 @@ class ClusterView:
         job.members = members
         job.local_ranks = {m.rank: m.local_rank for m in status.members}
         job.standbys = standbys
-        if job.cols is not None:
-            job.cols.reserve(len(members))
         for rank in gone:
             state = job.ranks.pop(rank)
             state.cols.give_back(state.col)
             self.total_ranks -= 1
         self._hold(job, held)
+        self._reserve(job, len(members))  # last: the job is whole if it cannot
+
+    def _reserve(self, job: JobView, ranks: int) -> None:
+        """Columns for ``ranks`` of ``job`` made at once (``StepColumns.reserve``), as
+        far as the columns of all jobs stay within ``max_ranks``: columns are not given
+        back to memory, so a status that lists many members, then few, must not leave
+        room behind that the next job's status adds to."""
+        cols = job.cols
+        if cols is None or ranks <= cols.capacity:
+            return
+        held = sum(j.cols.capacity for j in self.jobs.values() if j.cols is not None)
+        others = held - cols.capacity
+        cols.reserve(min(ranks, self.max_ranks - others))
 
     def apply_node_status(self, status: wire.NodeStatus, now: float, *, live: bool = True) -> None:
         """``live``: published now, not a retained copy replayed by the broker."""

@@ -534,3 +534,27 @@ def test_relayed_batches_land_as_the_same_batches_published_by_their_ranks() -> 
             if step >= 0:
                 assert mine.busy_at(step) == state.busy_at(step)
     assert (got.cols.timings[:, :, : got.cols.n] == want.cols.timings[:, :, : want.cols.n]).all()
+
+
+def test_columns_are_made_for_a_status_members_at_once_within_max_ranks() -> None:
+    """A job's columns are made for the members its status lists (one allocation, not
+    a copy at each doubling); columns are never given back to memory, so a status that
+    lists many members and then none does not leave room for the next job's status to
+    add to: what all jobs' columns hold stays within ``max_ranks``."""
+    view = ClusterView(window_steps=8, max_ranks=256, max_jobs=8)
+    row = (1, TS, 1.0, 0.5, 0.1, 0.1, 0.1)
+    for j in range(4):
+        name = f"j{j}"
+        members = [wire.Member(r, "n0") for r in range(200)]
+        view.apply_job_status(wire.JobStatus(ts=TS, job=name, generation=0, world_size=256,
+                                             members=members), TS)  # fmt: skip
+        view.apply_steps(name, 0, "n0", 0, 0, [row], TS)
+        cols = view.jobs[name].cols
+        assert cols is not None
+        if j == 0:
+            assert cols.capacity == 200  # made at once
+        view.apply_job_status(wire.JobStatus(ts=TS, job=name, generation=0, world_size=256,
+                                             members=[]), TS)  # fmt: skip
+    # (each job's first 8 columns aside, as before: unbounded, this was 800)
+    assert sum(v.cols.capacity for v in view.jobs.values() if v.cols is not None) <= 256 + 4 * 8
+    assert view.jobs["j0"].ranks[0].steps.count(1) == 1
