@@ -163,8 +163,9 @@ class ClusterView:
             job = self._job(job_name, now)
         if state is None:
             if job.cols is None:
-                job.cols = StepColumns(self.window_steps)
-                self._reserve(job, len(job.members))
+                # Made at their size: a copy into a new array would touch it all (numpy
+                # asks for huge pages, so writing a row's first columns fills 2 MB).
+                job.cols = StepColumns(self.window_steps, max(8, self._room(job, len(job.members))))
             state = job.ranks[rank] = RankState(rank, node, job.cols)
             self.total_ranks += 1
             self._hold(job, _held(len(job.ranks), job))
@@ -339,15 +340,19 @@ class ClusterView:
 
     def _reserve(self, job: JobView, ranks: int) -> None:
         """Columns for ``ranks`` of ``job`` made at once (``StepColumns.reserve``), as
-        far as the columns of all jobs stay within ``max_ranks``: columns are not given
-        back to memory, so a status that lists many members, then few, must not leave
-        room behind that the next job's status adds to."""
+        far as ``_room`` allows."""
         cols = job.cols
-        if cols is None or ranks <= cols.capacity:
-            return
+        if cols is not None and ranks > cols.capacity:
+            cols.reserve(self._room(job, ranks))
+
+    def _room(self, job: JobView, ranks: int) -> int:
+        """Up to ``ranks`` columns for ``job``, as far as the columns of all jobs stay
+        within ``max_ranks``: columns are not given back to memory, so a status that
+        lists many members, then few, must not leave room behind that the next job's
+        status adds to."""
         held = sum(j.cols.capacity for j in self.jobs.values() if j.cols is not None)
-        others = held - cols.capacity
-        cols.reserve(min(ranks, self.max_ranks - others))
+        mine = job.cols.capacity if job.cols is not None else 0
+        return min(ranks, self.max_ranks - (held - mine))
 
     def apply_node_status(self, status: wire.NodeStatus, now: float, *, live: bool = True) -> None:
         """``live``: published now, not a retained copy replayed by the broker."""
