@@ -373,6 +373,21 @@ class _Units:
         self.members.append(())
         return slot
 
+    def add_many(self, keys: list[Key], nodes: list[str]) -> None:
+        """``add`` of each of ``keys`` (none held yet) on its node, in order: at once
+        where no slot is free to reuse (a job's ranks seen for the first time)."""
+        if self.free:
+            for key, node in zip(keys, nodes, strict=True):
+                self.add(key, node)
+            return
+        start, end = self.n, self.n + len(keys)
+        self.reserve(end)
+        self.keys.extend(keys)
+        self.slot.update(zip(keys, range(start, end), strict=True))
+        self.node.extend(nodes)
+        self.members.extend([()] * len(keys))
+        self.n = end
+
     def reserve(self, units: int) -> None:
         """Room for ``units`` in all, made now: a job's ranks seen for the first time
         take one allocation, not a copy at each doubling."""
@@ -716,17 +731,20 @@ class StragglerDetector(Detector):
         if states == job.states and nodes == job.nodes and job.col_slot.size == cols.n:
             return  # (the columns handed out are those mapped: none taken since)
         ranks = job.ranks
-        ranks.reserve(len(states))
         moved: list[tuple[int, str]] = []
+        joined: list[Key] = []
+        joined_on: list[str] = []
         for state in states:
             slot = ranks.slot.get(state.rank)
             if slot is None:
-                ranks.add(state.rank, state.node)
+                joined.append(state.rank)
+                joined_on.append(state.node)
             elif ranks.node[slot] != state.node:
                 if ranks.born[slot] >= 0:
                     moved.append((slot, state.node))
                 else:  # no history yet: nothing was the old machine's
                     ranks.node[slot] = state.node
+        ranks.add_many(joined, joined_on)
         # In the order the ranks' histories began.
         for slot, node in sorted(moved, key=lambda m: int(ranks.born[m[0]])):
             yield from self._moved(name, job, slot, node, now)
