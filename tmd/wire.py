@@ -201,7 +201,10 @@ class RelayedBatches(msgspec.Struct, kw_only=True, frozen=True):
         if not len(self.ts) == len(self.generation) == len(self.run) == len(self.count) == n:
             raise ProtocolError("schema", "relayed batch columns of different lengths")
         steps = sum(self.count)
-        if any(len(getattr(self, f)) != steps for f in _STEP_FIELDS):
+        if not (  # spelled out: a generator of getattr cost 2% of the daemon at 131,072 ranks
+            len(self.step) == len(self.end_ts) == len(self.step_s) == len(self.compute_s)
+            == len(self.allreduce_s) == len(self.optimizer_s) == len(self.data_s) == steps
+        ):  # fmt: skip
             raise ProtocolError("schema", f"relayed step columns hold other than {steps} steps")
 
     def steps(self) -> Iterator[Row]:
