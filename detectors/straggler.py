@@ -390,9 +390,11 @@ class _Units:
 
     def reserve(self, units: int) -> None:
         """Room for ``units`` in all, made now: a job's ranks seen for the first time
-        take one allocation, not a copy at each doubling."""
-        if units > self.count.shape[0]:
-            self._grow(units)
+        take one allocation, not a copy at each doubling; and at least double what
+        there was, so ranks that join a few a tick cost O(1) amortized, as ``add``."""
+        capacity = self.count.shape[0]
+        if units > capacity:
+            self._grow(max(units, 2 * capacity))
 
     def _grow(self, capacity: int) -> None:
         self.count = _grown(self.count, capacity, 0)

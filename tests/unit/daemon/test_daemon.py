@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
+
+import pytest
 
 from tmd import config as config_mod
 from tmd import wire
 from tmd.daemon import events
-from tmd.daemon.daemon import Daemon
+from tmd.daemon.daemon import FULL_COLLECTION_EVERY, Daemon, collect_rarely
 
 TS = 1_800_000_000.0
 
@@ -39,3 +42,20 @@ def test_a_node_lost_marks_the_machine_lost_and_a_gpu_fault_does_not(tmp_path: P
         assert daemon.view.lost("n1")
     finally:
         daemon.journal.close()
+
+
+def test_full_collections_come_rarely_and_other_thresholds_stay() -> None:
+    """``collect_rarely`` (run by ``Daemon.run``): a full collection every 100 middle
+    ones at least, the young and middle thresholds as they were."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        if gc.get_threshold()[2] == 0:  # CPython 3.14.0-3.14.4's incremental collector
+            pytest.skip("this interpreter has no full-collection threshold")
+        collect_rarely()
+        assert gc.get_threshold() == (700, 10, FULL_COLLECTION_EVERY)
+        gc.set_threshold(700, 10, 5000)
+        collect_rarely()  # a higher one is left as it is
+        assert gc.get_threshold() == (700, 10, 5000)
+    finally:
+        gc.set_threshold(*before)
