@@ -340,19 +340,20 @@ class ClusterView:
 
     def _reserve(self, job: JobView, ranks: int) -> None:
         """Columns for ``ranks`` of ``job`` made at once (``StepColumns.reserve``), as
-        far as ``_room`` allows."""
+        ``_room`` allows."""
         cols = job.cols
         if cols is not None and ranks > cols.capacity:
             cols.reserve(self._room(job, ranks))
 
     def _room(self, job: JobView, ranks: int) -> int:
-        """Up to ``ranks`` columns for ``job``, as far as the columns of all jobs stay
-        within ``max_ranks``: columns are not given back to memory, so a status that
-        lists many members, then few, must not leave room behind that the next job's
-        status adds to."""
+        """``ranks`` columns for ``job`` if the columns of all jobs stay within
+        ``max_ranks`` with them, else 0 (it grows as its ranks report, doubling): columns
+        are not given back to memory, so a status that lists many members, then few,
+        must not leave room behind that the next job's status adds to. All or none: a
+        job made a little short of its members would double past them."""
         held = sum(j.cols.capacity for j in self.jobs.values() if j.cols is not None)
         mine = job.cols.capacity if job.cols is not None else 0
-        return min(ranks, self.max_ranks - (held - mine))
+        return ranks if held - mine + ranks <= self.max_ranks else 0
 
     def apply_node_status(self, status: wire.NodeStatus, now: float, *, live: bool = True) -> None:
         """``live``: published now, not a retained copy replayed by the broker."""
