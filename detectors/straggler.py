@@ -292,7 +292,7 @@ class _Unit:
 def _grown(a: A, capacity: int, fill: float) -> A:
     shape = (capacity, *a.shape[1:])
     # Zeros from the allocator cost nothing until written: the rows of a job's
-    # 131,072 ranks are hundreds of MB, which a fill would touch at once.
+    # 131,072 ranks are some 50 MB, which a fill would touch at once.
     out = np.zeros(shape, a.dtype) if fill == 0 else np.full(shape, fill, a.dtype)
     out[: a.shape[0]] = a
     return cast(A, out)
