@@ -268,25 +268,13 @@ class GpuHealthDetector(Detector):
                     now,
                 )
             # A counter that did not move is not rising (``_rising``): the usual sample.
-            # Its first value is where a rise is measured from.
             nvlink = pcie = False
             value = g.nvlink_replay
             if value is not None and value != gpu.nvlink:
-                if gpu.nvlink is None:
-                    gpu.nvlink_at = now
-                else:
-                    first = (gpu.nvlink_at, gpu.nvlink)
-                    nvlink = self._rising(gpu, "nvlink", first, value, now,
-                                          cfg.nvlink_replay_per_min)  # fmt: skip
-                gpu.nvlink = value
+                nvlink = self._rising(gpu, "nvlink", value, now, cfg.nvlink_replay_per_min)
             value = g.pcie_replay
             if value is not None and value != gpu.pcie:
-                if gpu.pcie is None:
-                    gpu.pcie_at = now
-                else:
-                    first = (gpu.pcie_at, gpu.pcie)
-                    pcie = self._rising(gpu, "pcie", first, value, now, cfg.pcie_replay_per_min)
-                gpu.pcie = value
+                pcie = self._rising(gpu, "pcie", value, now, cfg.pcie_replay_per_min)
             throttling = bool(throttled >> index & 1)
             pending_remap, pending_retire = bool(g.remap_pending), bool(g.retired_pages_pending)
             if not (
@@ -344,18 +332,21 @@ class GpuHealthDetector(Detector):
                 out |= bit
         return out
 
-    def _rising(
-        self, gpu: _Gpu, name: str, first: tuple[float, int], value: int, now: float,
-        per_min: float,
-    ) -> bool:  # fmt: skip
-        """Whether counter ``name`` of ``gpu``, now at ``value`` (another than its last),
-        rises faster than ``per_min`` over the rate window; ``first``, its first reading
-        ``(when, value)``, starts its history at its first change."""
+    def _rising(self, gpu: _Gpu, name: str, value: int, now: float, per_min: float) -> bool:
+        """Whether replay counter ``name`` (``nvlink`` or ``pcie``) of ``gpu``, read now
+        at ``value``, another than its last, rises faster than ``per_min`` over the rate
+        window. Its first reading is where a rise is measured from: its history starts
+        at its first change, with that reading."""
+        last = getattr(gpu, name)
+        setattr(gpu, name, value)
+        if last is None:
+            setattr(gpu, name + "_at", now)
+            return False
         if gpu.counters is None:
             gpu.counters = {}
         history = gpu.counters.get(name)
         if history is None:
-            history = gpu.counters[name] = deque([first])
+            history = gpu.counters[name] = deque([(getattr(gpu, name + "_at"), last)])
         if history and value == history[-1][1]:
             return False  # not rising now; the next rise is measured from the last change
         if history and value < history[-1][1]:
