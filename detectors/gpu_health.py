@@ -89,7 +89,8 @@ class _Gpu:
 
     __slots__ = ("counters", "degraded", "last_seen", "nvlink", "nvlink_at", "pcie", "pcie_at")
 
-    def __init__(self) -> None:
+    def __init__(self, nvlink: int | None, pcie: int | None, now: float) -> None:
+        """Its first sample's replay counters, read at ``now`` (None: not read)."""
         self.last_seen = 0.0
         # Causes reported and not yet re-armed; None: none ever (the usual GPU: neither
         # this nor ``counters`` is made for it, each one object fewer for the collector).
@@ -98,10 +99,11 @@ class _Gpu:
         # second value on: the usual GPU's counters never move, and need none.
         self.counters: dict[str, deque[tuple[float, int]]] | None = None
         # The last value of each replay counter: the usual sample repeats it. And when
-        # it was first read, where a rise is measured from until it has changed.
-        self.nvlink: int | None = None
-        self.pcie: int | None = None
-        self.nvlink_at = self.pcie_at = 0.0
+        # it was first read, where a rise is measured from until it has changed (a
+        # counter first read later is ``_rising``'s to stamp).
+        self.nvlink = nvlink
+        self.pcie = pcie
+        self.nvlink_at = self.pcie_at = now
 
 
 @dataclass
@@ -243,7 +245,7 @@ class GpuHealthDetector(Detector):
             index = g.index
             gpu = gpus.get(index)
             if gpu is None:
-                gpu = gpus[index] = _Gpu()
+                gpu = gpus[index] = _Gpu(g.nvlink_replay, g.pcie_replay, now)
             gpu.last_seen = now
             if g.ecc_dbe_volatile:
                 yield from self._report(
