@@ -7,6 +7,14 @@ changes keep ``v = 1``: unknown fields are ignored, so old daemons read new agen
 Every number that arrives from outside is bounded here, so a decoded message is
 safe to use: durations are finite and non-negative, ranks and lists are bounded,
 names are single topic segments.
+
+Sequence numbers (``seq``): an agent numbers what it sends on each of its telemetry
+topics (``gpu``, ``iter``) 1, 2, 3..., counting only what it handed to the broker; a
+restarted agent starts over at 1. MQTT keeps one publisher's messages on a topic in
+order, so a receiver that reads ``n`` after ``m < n - 1`` knows ``n - m - 1`` were
+lost on the way (a broker drops what a subscriber that lags cannot take), and one
+that reads ``n <= m`` knows the agent started over (or a message came twice across a
+reconnect) and counts on from ``n``.
 """
 
 from __future__ import annotations
@@ -106,6 +114,9 @@ class NodeGpu(Message, kw_only=True, frozen=True):
 
     node: Name
     gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] = []
+    seq: Count | None = None
+    """The agent's sequence number on this topic (see the module's docstring); None
+    inside a ``NodeIter``, and from agents that do not number their samples."""
 
     def check(self) -> None:
         """ProtocolError ``schema`` where a GPU's index comes twice: one sample each."""
@@ -261,6 +272,8 @@ class NodeIter(Message, kw_only=True, frozen=True):
     node: Name
     jobs: Annotated[list[RelayedBatches], msgspec.Meta(min_length=1, max_length=MAX_RELAYED_JOBS)]
     gpu: NodeGpu | None = None
+    seq: Count | None = None
+    """The agent's sequence number on this topic (see the module's docstring)."""
 
 
 def default_node_name() -> str:

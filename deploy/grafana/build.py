@@ -416,13 +416,19 @@ def rows() -> list[tuple[str, list[Json]]]:
                 width=8,
             ),
             series(
-                "Messages rejected",
+                "Messages rejected or lost",
                 "Messages dropped as invalid, by reason (README, topic"
                 " reference): version (a sender newer than the daemon), rank, schema, json,"
-                " value, mismatch, limit (the view's caps), internal (a bug).",
+                " value, mismatch, limit (the view's caps), internal (a bug). And agents'"
+                " messages lost on the way (gaps in their sequence numbers: the broker"
+                " drops what a daemon that lags cannot take; TmdMessagesLost).",
                 _target(
                     f"sum by (reason) (rate(tmd_messages_rejected_total{{{SEL}}}[{RATE}]))",
                     "{{reason}}",
+                ),
+                _target(
+                    f"sum by (topic) (rate(tmd_messages_lost_total{{{SEL}}}[{RATE}]))",
+                    "lost: {{topic}}",
                 ),
                 unit="count:msg/s",
                 thresholds=[("green", None), ("red", 0.001)],

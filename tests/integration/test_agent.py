@@ -114,6 +114,7 @@ async def test_status_and_samples_arrive_and_decode(broker: Mosquitto) -> None:
         assert status.gpus[1].uuid == "GPU-fake-0001" and "570.86.15" in status.agent
         sample = watch.of("gpu")[-1]
         assert sample.node == node and [g.index for g in sample.gpus] == [0, 1]
+        assert [s.seq for s in watch.of("gpu")[:3]] == [1, 2, 3]  # numbered (tmd.wire)
         assert sample.gpus[0].temp_c == 41.0 and sample.gpus[0].remap_failure is False
     # Stopped cleanly (the SIGTERM path): the retained status says offline.
     assert (await retained_status(broker, node)).state == "offline"

@@ -318,7 +318,7 @@ def test_every_rule_names_metrics_the_daemon_exports_with_their_labels(
 
 def test_every_alert_has_a_severity_a_summary_and_what_to_do() -> None:
     alerts = [rule for rule in rules() if "alert" in rule]
-    assert len(alerts) == 16
+    assert len(alerts) == 17
     for alert in alerts:
         assert alert["labels"]["severity"] in ("critical", "warning"), alert["alert"]
         assert set(alert["annotations"]) == {"summary", "description"}, alert["alert"]
@@ -364,7 +364,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_accepts_the_rules_and_the_scrape_config(promtool: str) -> None:
     rules = _run(promtool, "check", "rules", "tmd-rules.yml")
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert "SUCCESS: 20 rules found" in rules.stdout
+    assert "SUCCESS: 21 rules found" in rules.stdout
     config = _run(promtool, "check", "config", "prometheus.yml")
     assert config.returncode == 0, config.stdout + config.stderr
 

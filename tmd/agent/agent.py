@@ -75,6 +75,9 @@ class Agent:
             Relay(self._config.relay_socket, self.node) if self._config.relay_socket else None
         )
         self.relayed_messages = 0
+        # The sequence number last sent on each telemetry topic (``tmd.wire``): a gap
+        # tells the daemon that the broker dropped some on the way to it.
+        self._seq = {"gpu": 0, "iter": 0}
         self._relay_due = False
         self._hung = False
         self._errors: dict[tuple[int, str], str] = {}
@@ -269,7 +272,10 @@ class Agent:
                         sample = None  # it went with the steps
                         self.published_samples += 1
             if sample is not None:
-                await client.publish(gpu_topic, wire.encode(sample), qos=0, timeout=timeout)
+                seq = self._seq["gpu"] + 1  # counted once handed to the broker
+                numbered = msgspec.structs.replace(sample, seq=seq)
+                await client.publish(gpu_topic, wire.encode(numbered), qos=0, timeout=timeout)
+                self._seq["gpu"] = seq
                 self.published_samples += 1
             self._wakeup.clear()
             if not self._xids and self._latest is None and not self._relay_due:
@@ -291,10 +297,12 @@ class Agent:
                 break
             left -= len(taken)
             batches = [b for _, _, b in taken]
-            message = wire.NodeIter(ts=time.time(), node=self.node,
+            seq = self._seq["iter"] + 1
+            message = wire.NodeIter(ts=time.time(), node=self.node, seq=seq,
                                     jobs=wire.RelayedBatches.of(batches), gpu=gpu)  # fmt: skip
             await client.publish(topic, wire.encode(message), qos=1,
                                  timeout=self._mqtt.connect_timeout_s)  # fmt: skip
+            self._seq["iter"] = seq
             self.relay.confirm(taken)
             self.relayed_messages += 1
             carried, gpu = carried or gpu is not None, None

@@ -16,6 +16,13 @@ the last probe took longer than ``max_lag_s``. When it is current again it *sett
 for ``settle_s``; only then is it trusted (``since``), and silences count from the
 moment it became current, not from before the outage. Staleness is judged when
 asked, so a reader that runs after the event loop was blocked sees the gap at once.
+
+A probe that comes back in time proves the view is recent, not that it is whole: a
+broker drops messages queued for a subscriber that lags (mosquitto past
+``max_queued_messages``) and passes the probe behind them. So ingest also reports
+messages it knows were lost (gaps in the agents' sequence numbers, ``tmd.wire``):
+a loss settles the view anew, as a return from staleness does, and silences count
+from it.
 """
 
 from __future__ import annotations
@@ -56,6 +63,14 @@ class Freshness:
         self.last_lag_s = max(0.0, now - sent_at)
         if not self.stale(now) and (was_stale or self.fresh_since is None):
             self.fresh_since = now
+
+    def lost(self, now: float) -> bool:
+        """Messages published to this daemon were lost on the way, found at ``now``:
+        a silence before it proves nothing. Returns whether the view was trusted."""
+        trusted = self.since(now) is not None
+        if self.fresh_since is not None and not self.stale(now):
+            self.fresh_since = now
+        return trusted
 
     # -- what readers ask --------------------------------------------------------------
 

@@ -160,6 +160,8 @@ class Ingest:
                 view.apply_node_status(message, now, live=publish)
             elif kind == "gpu":
                 view.apply_gpu(message, now)
+                if message.seq is not None and publish:
+                    self._numbered(owner, "gpu", message.seq, now)
             else:
                 view.apply_xid(message, now)
         else:
@@ -214,6 +216,8 @@ class Ingest:
         for relayed in message.jobs:
             relayed.check()
         view = self._view
+        if message.seq is not None and publish:
+            self._numbered(node, "iter", message.seq, now)
         if message.gpu is not None:
             view.apply_gpu(message.gpu, now)
             if publish:
@@ -230,6 +234,25 @@ class Ingest:
                 for i in taken:
                     self._bus.publish(batches[i])
         self._count(total)
+
+    def _numbered(self, node: str, topic: str, seq: int, now: float) -> None:
+        """``node``'s agent numbered this message on ``topic`` ``seq``: those missing
+        before it were lost on the way here (a broker drops what a subscriber that lags
+        cannot take), so the view is whole again only from now (``Freshness.lost``).
+        Not judged under a shared subscription, where each head reads some of them."""
+        if self._mqtt.shared_group:
+            return
+        lost = self._view.gap(node, topic, seq)
+        if not lost:
+            return
+        self._metrics.lost_by[topic].inc(lost)
+        if self.freshness.lost(now):
+            self._log.warning(
+                "messages lost on the way to this daemon: no finding of absence until "
+                "the view settles",
+                node=node, topic=topic, lost=lost,
+                settle_s=self._config.stale_settle_s,
+            )  # fmt: skip
 
     def _reject(self, topic: str, kind: str, exc: ProtocolError, now: float) -> None:
         self._metrics.rejected_by[exc.reason].inc()
@@ -357,6 +380,7 @@ class Ingest:
                 # quiet cluster. Retried with back-off like a lost connection.
                 raise SubscriptionRefused(f"broker refused the subscriptions: {refused}")
             self.freshness.connection(True, self._clock.now())
+            self._view.restart_sequences()
             self.connected = True
             self._client_now = client
             self._metrics.mqtt_connects.inc()

@@ -100,6 +100,9 @@ class NodeView:
     or reconnected then. A retained copy replayed on subscribing does not count."""
     live_seen: float = 0.0
     """When (daemon time) anything its agent published live last arrived."""
+    seq: dict[str, int] = field(default_factory=dict)
+    """The last sequence number read on each of its agent's telemetry topics
+    (``tmd.wire``), since its agent or this daemon last (re)connected."""
 
 
 class ClusterView:
@@ -361,6 +364,8 @@ class ClusterView:
         node.status_ts = status.ts
         if live:
             node.status_seen = now
+        if live:
+            node.seq.clear()  # its agent (re)connected: what it sent meanwhile is its own
         node.state = status.state
         node.role = status.role
         if status.gpus:
@@ -372,6 +377,22 @@ class ClusterView:
         node.sample = sample
         if node.state != "online":
             node.state = "online"  # a sample proves the agent is alive
+
+    def gap(self, node: str, topic: str, seq: int) -> int:
+        """How many messages ``node``'s agent sent on ``topic`` before the one numbered
+        ``seq`` never arrived (``tmd.wire``): 0 as well where its count started over."""
+        view = self.nodes.get(node)
+        if view is None:
+            return 0
+        last = view.seq.get(topic, 0)
+        view.seq[topic] = seq
+        return seq - last - 1 if last and seq > last else 0
+
+    def restart_sequences(self) -> None:
+        """This daemon (re)subscribed: what was sent while it was away is not a loss
+        on the way to it. Each topic's count starts over from its next message."""
+        for view in self.nodes.values():
+            view.seq.clear()
 
     def apply_xid(self, event: wire.XidEvent, now: float) -> None:
         self._node(event.node, now).xids.append(event)

@@ -231,6 +231,8 @@ class _Sender:
         ]
         self.gpu_topics = [wire.node_topic(name, "gpu") for name in self.node_names]
         self.node_iter_topics = [wire.node_topic(name, "iter") for name in self.node_names]
+        self.gpu_seq = [0] * self.nodes  # each node's last sequence number, by topic
+        self.iter_seq = [0] * self.nodes
         # The usual nodes, each of their ranks one step due, as vectors (``_due_columns``).
         self.np_rng = np.random.default_rng(spec.seed)
         self.next_step = np.ones(n, dtype=np.int64)  # each rank's next step to send
@@ -307,7 +309,8 @@ class _Sender:
                     list(c) for c in zip(*rows, strict=True)
                 ) if rows else ([] for _ in range(7))  # fmt: skip
             out.rank_steps += len(step)
-            sample = self._sample(i, now) if spec.gpu_health else None
+            alone = not (ranks and spec.relay_sample)  # on its own topic, numbered
+            sample = self._sample(i, now, alone=alone) if spec.gpu_health else None
             if ranks:
                 # As the agent relays them (wire.RelayedBatches.of), made in place.
                 relayed = wire.RelayedBatches(
@@ -317,7 +320,10 @@ class _Sender:
                     optimizer_s=optimizer_s, data_s=data_s,
                 )  # fmt: skip
                 inside = sample if spec.relay_sample else None
-                message = wire.NodeIter(ts=now, node=node, jobs=[relayed], gpu=inside)
+                self.iter_seq[i] += 1
+                message = wire.NodeIter(
+                    ts=now, node=node, jobs=[relayed], gpu=inside, seq=self.iter_seq[i]
+                )
                 self.client.publish(self.node_iter_topics[i], wire.encode(message), qos=1)
                 out.messages += 1
                 if inside is not None:
@@ -346,10 +352,14 @@ class _Sender:
             for g in range(min(8, self.spec.ranks_per_node))
         ]  # fmt: skip
 
-    def _sample(self, i: int, now: float) -> wire.NodeGpu:
-        """Node ``i``'s GPUs now, healthy; their readings one of a pool made at start."""
+    def _sample(self, i: int, now: float, *, alone: bool = True) -> wire.NodeGpu:
+        """Node ``i``'s GPUs now, healthy; their readings one of a pool made at start.
+        ``alone``: sent on its own topic, so numbered as the agent numbers it."""
         gpus = self.gpu_pool[self.rng.randrange(len(self.gpu_pool))]
-        return wire.NodeGpu(ts=now, node=self.node_names[i], gpus=gpus)
+        seq = None
+        if alone:
+            seq = self.gpu_seq[i] = self.gpu_seq[i] + 1
+        return wire.NodeGpu(ts=now, node=self.node_names[i], gpus=gpus, seq=seq)
 
     def _due_columns(self, lo: int, hi: int, now: float) -> tuple[list[Any], ...] | None:
         """Ranks ``lo`` to ``hi`` and their step columns, as vectors, when each has

@@ -61,3 +61,24 @@ def test_a_lost_connection_settles_again_even_when_short() -> None:
 def test_a_view_fed_directly_is_always_trusted() -> None:
     f = Freshness.always()
     assert f.state(T0) == "current" and f.since(T0) == -math.inf
+
+
+def test_messages_lost_on_the_way_settle_the_view_anew() -> None:
+    """A probe back in time says the view is recent, not whole: a loss ingest found
+    (gaps in the agents' sequence numbers) settles it again, and silences count from
+    the loss."""
+    f = fresh()
+    for t in range(1, 7):
+        f.answered(T0 + t, T0 + t + 0.01)
+    assert f.since(T0 + 6.5) == T0 + 0.01
+    f.answered(T0 + 7, T0 + 7.01)
+    assert f.lost(T0 + 7.02)  # it was trusted
+    assert f.state(T0 + 7.5) == "settling" and f.since(T0 + 7.5) is None
+    f.answered(T0 + 8, T0 + 8.01)
+    assert not f.lost(T0 + 8)  # settling: not trusted, but settles from here
+    for t in range(9, 14):
+        f.answered(T0 + t, T0 + t + 0.01)
+    assert f.since(T0 + 13.5) == T0 + 8
+    f.connection(False, T0 + 14)
+    assert not f.lost(T0 + 14.5)  # stale: the probe, not the loss, says when it is current
+    assert f.fresh_since is None

@@ -407,3 +407,62 @@ async def test_a_cancelled_probe_ends_where_the_client_turns_the_cancel_into_an_
     probe.cancel()
     done, _ = await asyncio.wait([probe], timeout=5)
     assert done == {probe} and probe.cancelled()
+
+
+def test_gaps_in_an_agent_s_numbers_are_counted_as_lost_and_settle_the_view() -> None:
+    """Each telemetry topic of an agent numbered apart (``wire``): a gap is counted in
+    ``tmd_messages_lost_total`` and makes the view settle again; a number that goes
+    back (the agent restarted) or the agent's live status (it reconnected) starts the
+    count over, as does the daemon's own reconnect; a retained copy is not news."""
+    ingest, view, metrics, _ = make_ingest()
+    now = ingest._clock.now()
+    ingest.freshness.connection(True, now - 10)
+    for t in range(10, -1, -1):  # its probes came back, every second
+        ingest.freshness.answered(now - t, now - t)
+    assert ingest.freshness.since(now) is not None
+
+    def lost(topic: str) -> float | None:
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": topic})
+
+    def gpu(seq: int | None, node: str = "n", *, retained: bool = False) -> None:
+        sample = wire.NodeGpu(ts=now, node=node, seq=seq)
+        ingest.handle(wire.node_topic(node, "gpu"), wire.encode(sample), retained=retained)
+
+    def relayed(seq: int) -> None:
+        t = time.time()
+        batch = wire.IterBatch(
+            ts=t, job="j", rank=0, node="n", steps=[wire.StepTiming(seq, t, 1, 1, 0, 0, 0)]
+        )
+        message = wire.NodeIter(ts=t, node="n", jobs=wire.RelayedBatches.of([batch]), seq=seq)
+        ingest.handle(wire.node_topic("n", "iter"), wire.encode(message))
+
+    for seq in (1, 2, 3):
+        gpu(seq)
+    relayed(1)
+    relayed(2)  # the topics are numbered apart
+    assert (lost("gpu"), lost("iter")) == (0, 0)
+    assert ingest.freshness.since(now) is not None
+    gpu(7)  # 4, 5 and 6 were dropped on the way
+    assert lost("gpu") == 3 and ingest.freshness.since(now) is None
+    relayed(4)
+    assert (lost("gpu"), lost("iter")) == (3, 1)
+    gpu(1)  # the agent restarted
+    gpu(None)  # an agent that does not number
+    gpu(2)
+    gpu(9, retained=True)  # not news: a retained copy says nothing of what came between
+    ingest.handle(wire.node_topic("n", "status"),
+                  wire.encode(wire.NodeStatus(ts=now, node="n", state="online")))  # fmt: skip
+    gpu(40)  # it reconnected: what it sent meanwhile is its own business
+    view.restart_sequences()  # this daemon reconnected
+    gpu(60)
+    gpu(61, node="m")
+    assert (lost("gpu"), lost("iter")) == (3, 1)
+
+    shared, _, shared_metrics, _ = make_ingest()
+    shared._mqtt = config.MqttConfig(shared_group="heads")
+    for seq in (1, 5):  # each head of a shared group reads some of them
+        sample = wire.NodeGpu(ts=now, node="n", seq=seq)
+        shared.handle(wire.node_topic("n", "gpu"), wire.encode(sample))
+    assert (
+        shared_metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"}) == 0
+    )

@@ -118,3 +118,27 @@ def test_nothing_is_lost_while_the_daemon_s_own_view_is_not_current() -> None:
     assert run(43) == []  # trusted, but a's agent may still be reconnecting
     assert run(46) == []  # silences count from 37.5, not from 6
     assert run(48) == [("a", "last_will"), ("c", "heartbeat")]
+
+
+def test_a_silence_that_messages_lost_on_the_way_explain_is_not_a_loss() -> None:
+    """The probe comes back in time, but the broker dropped messages queued for the
+    daemon (ingest saw gaps in the agents' sequence numbers): a node silent since before
+    the last loss is not found lost until the timeout passes after it."""
+    from tmd.daemon.freshness import Freshness
+
+    clock = FakeClock(T0)
+    view = ClusterView()
+    view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=5.0)
+    f.connection(True, T0)
+    f.answered(T0, T0)
+    detector = NodeLostDetector(
+        NodeLostConfig(heartbeat_timeout_s=10), context=Context(view=view, clock=clock)
+    )
+    for t in range(1, 30):  # probes back every second; messages lost at 9 and 12
+        f.answered(T0 + t, T0 + t)
+        if t == 6:
+            list(detector.observe(beat("a"), T0 + t))
+        if t in (9, 12):
+            assert f.lost(T0 + t) == (t == 9)  # trusted before the first only
+        found = [e.node for e in detector.tick(T0 + t)]
+        assert found == (["a"] if t == 23 else []), t  # 12 + 10 s of silence, not 6 + 10

@@ -3,13 +3,16 @@ holds only at the load claimed, and latency runs from a step's end, as a user wa
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tmd import wire
+from tmd.tools.bench import ingest as bench_ingest
 from tmd.tools.bench.ingest import (
     behind_limit_s,
     holds,
@@ -142,3 +145,32 @@ def test_the_search_brackets_the_largest_n_held_to_within_an_eighth(
     lo, hi = search_max(start, start <= limit, lambda n: n <= limit)
     assert (lo, hi) == expected
     assert hi is not None and (lo == 0 or hi - lo <= lo // 8)
+
+
+@pytest.mark.parametrize(
+    ("grows_to", "published", "polls"),
+    [
+        (50, 50, 6),  # all in: once it is still
+        (50, 100, 15),  # half lost at the broker: still for 2 s (10 polls), not 20 s
+        (10**9, 100, 100),  # never still: 20 s at most
+    ],
+)
+async def test_the_drain_ends_soon_after_the_view_stops_growing(
+    grows_to: int, published: int, polls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher has stopped, so every machine is silent from its last message:
+    a drain that waited past node_lost's 15 s would count the findings of that silence
+    as the run's decisions."""
+    seen: list[int] = []
+
+    def total_steps() -> int:
+        seen.append(min(grows_to, 10 * (len(seen) + 1)))
+        return seen[-1]
+
+    async def no_wait(_: float) -> None:
+        pass
+
+    monkeypatch.setattr(asyncio, "sleep", no_wait)
+    daemon: Any = SimpleNamespace(view=SimpleNamespace(total_steps=total_steps))
+    await bench_ingest._drain(daemon, published)
+    assert len(seen) == polls

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, suppress
 from itertools import accumulate
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -174,6 +174,10 @@ def _config(host: str, port: int, ranks: int, state: str) -> config_mod.Config:
     )
 
 
+_DRAIN_S: Final = 20.0
+_STILL_S: Final = 2.0
+
+
 async def _publish(spec: synth.SynthSpec) -> tuple[synth.SynthResult, BaseProcess]:
     """Run the synthetic publisher to its end; its result and its process."""
     proc, results = synth.start(spec)
@@ -188,12 +192,18 @@ async def _publish(spec: synth.SynthSpec) -> tuple[synth.SynthResult, BaseProces
 
 
 async def _drain(daemon: Daemon, rank_steps: int) -> None:
-    """Wait until the view stops growing."""
-    view_steps = -1
-    for _ in range(100):
+    """Wait until the view holds every step published, or has stopped growing for
+    ``_STILL_S`` (what the broker dropped never comes), for at most ``_DRAIN_S``.
+
+    Not longer: the publisher has stopped, so every machine is silent from its last
+    message on, and a wait past ``node_lost``'s heartbeat timeout (15 s) would count
+    its findings of that silence as the run's decisions."""
+    view_steps, still = -1, 0
+    for _ in range(int(_DRAIN_S / 0.2)):
         await asyncio.sleep(0.2)
         now_steps = daemon.view.total_steps()
-        if now_steps == view_steps and now_steps >= rank_steps:
+        still = still + 1 if now_steps == view_steps else 0
+        if (now_steps >= rank_steps and still) or still >= _STILL_S / 0.2:
             break
         view_steps = now_steps
 
