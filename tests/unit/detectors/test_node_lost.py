@@ -9,6 +9,7 @@ import pytest
 from tests.fakes.clock import FakeClock
 from tmd import wire
 from tmd.daemon import events
+from tmd.daemon.freshness import Freshness
 from tmd.daemon.plugins import Context
 from tmd.daemon.view import ClusterView
 from tmd.detectors.node_lost import NodeLostConfig, NodeLostDetector
@@ -80,21 +81,22 @@ def test_lost_nodes_are_forgotten_after_a_while() -> None:
     assert "gone" not in detector._lost
 
 
+def judged_by_freshness() -> tuple[NodeLostDetector, Freshness]:
+    """A detector (10 s timeout) whose view judges its own freshness, current at T0."""
+    view = ClusterView()
+    view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=5.0)
+    f.connection(True, T0)
+    f.answered(T0, T0)
+    context = Context(view=view, clock=FakeClock(T0))
+    return NodeLostDetector(NodeLostConfig(heartbeat_timeout_s=10), context=context), f
+
+
 def test_nothing_is_lost_while_the_daemon_s_own_view_is_not_current() -> None:
     """A paused broker: every heartbeat stops, and on resume it replays Last Wills of
     agents whose connections it timed out. Nothing is found while the view is stale or
     settling; silences count from when it became current; a Last Will read meanwhile
     is a silence from then, reported unless the node beats within the timeout."""
-    from tmd.daemon.freshness import Freshness
-
-    clock = FakeClock(T0)
-    view = ClusterView()
-    view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=5.0)
-    f.connection(True, T0)
-    f.answered(T0, T0)
-    detector = NodeLostDetector(
-        NodeLostConfig(heartbeat_timeout_s=10), context=Context(view=view, clock=clock)
-    )
+    detector, f = judged_by_freshness()
 
     def run(offset: float, event: Any = "tick") -> list[tuple[str, str]]:
         now = T0 + offset
@@ -124,16 +126,7 @@ def test_a_silence_that_messages_lost_on_the_way_explain_is_not_a_loss() -> None
     """The probe comes back in time, but the broker dropped messages queued for the
     daemon (ingest saw gaps in the agents' sequence numbers): a node silent since before
     the last loss is not found lost until the timeout passes after it."""
-    from tmd.daemon.freshness import Freshness
-
-    clock = FakeClock(T0)
-    view = ClusterView()
-    view.freshness = f = Freshness(interval_s=1.0, max_lag_s=2.0, settle_s=5.0)
-    f.connection(True, T0)
-    f.answered(T0, T0)
-    detector = NodeLostDetector(
-        NodeLostConfig(heartbeat_timeout_s=10), context=Context(view=view, clock=clock)
-    )
+    detector, f = judged_by_freshness()
     for t in range(1, 30):  # probes back every second; messages lost at 9 and 12
         f.answered(T0 + t, T0 + t)
         if t == 6:
