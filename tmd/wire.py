@@ -14,7 +14,9 @@ restarted agent starts over at 1. MQTT keeps one publisher's messages on a topic
 order, so a receiver that reads ``n`` after ``m < n - 1`` knows ``n - m - 1`` were
 lost on the way (a broker drops what a subscriber that lags cannot take), and one
 that reads ``n <= m`` knows the agent started over (or a message came twice across a
-reconnect) and counts on from ``n``.
+reconnect) and counts on from ``n``. What an agent handed over just before its link
+died is lost before the broker, and may be counted so where its reconnect's status
+arrives after its next messages: a loss all the same.
 """
 
 from __future__ import annotations

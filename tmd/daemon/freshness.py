@@ -68,6 +68,8 @@ class Freshness:
         """Messages published to this daemon were lost on the way, found at ``now``:
         a silence before it proves nothing. Returns whether the view was trusted."""
         trusted = self.since(now) is not None
+        if self.fresh_since == -math.inf:
+            return trusted  # ``always``: a view fed directly has nothing on the way
         if self.fresh_since is not None and not self.stale(now):
             self.fresh_since = now
         return trusted

@@ -31,7 +31,7 @@ from tmd.daemon.bus import Bus
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.ranks import StepsApplied
-from tmd.daemon.view import ClusterView
+from tmd.daemon.view import DOUBT_S, ClusterView
 from tmd.errors import ProtocolError, PublishError, TmdError
 
 _NODE_KINDS: Final = {"status": "node_status", "gpu": "gpu", "xid": "xid", "iter": "node_iter"}
@@ -47,6 +47,7 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 }
 
 
+_NUMBERED: Final = {"gpu": "gpu", "node_iter": "iter"}  # kind -> the topic numbered apart
 _RANK: Final = re.compile(r"0|[1-9][0-9]{0,7}", re.ASCII)
 
 
@@ -146,6 +147,9 @@ class Ingest:
         self, kind: str, owner: str, rank: int | None, message: Any, now: float, *, publish: bool
     ) -> None:
         view = self._view
+        if kind in _NUMBERED and message.seq is not None and publish:
+            # Arrived, whatever the checks below say of it: not a gap.
+            self._numbered(owner, _NUMBERED[kind], message.seq, now)
         if kind == "iter":
             if message.job != owner or message.rank != rank:
                 raise ProtocolError("mismatch", "job or rank differs from the topic")
@@ -160,8 +164,6 @@ class Ingest:
                 view.apply_node_status(message, now, live=publish)
             elif kind == "gpu":
                 view.apply_gpu(message, now)
-                if message.seq is not None and publish:
-                    self._numbered(owner, "gpu", message.seq, now)
             else:
                 view.apply_xid(message, now)
         else:
@@ -216,8 +218,6 @@ class Ingest:
         for relayed in message.jobs:
             relayed.check()
         view = self._view
-        if message.seq is not None and publish:
-            self._numbered(node, "iter", message.seq, now)
         if message.gpu is not None:
             view.apply_gpu(message.gpu, now)
             if publish:
@@ -242,7 +242,14 @@ class Ingest:
         Not judged under a shared subscription, where each head reads some of them."""
         if self._mqtt.shared_group:
             return
-        lost = self._view.gap(node, topic, seq)
+        lost = self._view.gap(node, topic, seq, now)
+        if lost is None:
+            self._log.warning(
+                "an agent's sequence numbers make no sense: two agents under one name, "
+                "or a forged message; its gaps are not judged for a while",
+                node=node, topic=topic, seq=seq, for_s=DOUBT_S,
+            )  # fmt: skip
+            return
         if not lost:
             return
         self._metrics.lost_by[topic].inc(lost)

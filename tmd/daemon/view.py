@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from tmd import wire
 from tmd.daemon.columns import StepColumns
@@ -85,6 +85,19 @@ class JobView:
         return sum(1 for n in self.members.values() if n == node)
 
 
+MAX_RATE: Final = 100.0
+"""The most messages a second an agent sends on one topic (its samples come at most
+every 0.05 s, its relayed batches a few messages a tick)..."""
+MAX_SLACK: Final = 16
+"""...and at once: more missing than these allow is not believed (``ClusterView.gap``)."""
+RESTARTED_BELOW: Final = 16
+"""A number that goes back to below this is an agent that started over (its first
+messages may be lost too); one that goes back to above it is not believed."""
+DOUBT_S: Final = 600.0
+"""How long a node whose numbers were not believed has its gaps not judged."""
+_NO_SEQ: Final = (0, 0.0)
+
+
 @dataclass
 class NodeView:
     node: str
@@ -100,9 +113,11 @@ class NodeView:
     or reconnected then. A retained copy replayed on subscribing does not count."""
     live_seen: float = 0.0
     """When (daemon time) anything its agent published live last arrived."""
-    seq: dict[str, int] = field(default_factory=dict)
+    seq: dict[str, tuple[int, float]] = field(default_factory=dict)
     """The last sequence number read on each of its agent's telemetry topics
-    (``tmd.wire``), since its agent or this daemon last (re)connected."""
+    (``tmd.wire``), and when, since its agent or this daemon last (re)connected."""
+    seq_doubted_until: float = 0.0
+    """Its numbers made no sense (``ClusterView.gap``): not judged until then."""
 
 
 class ClusterView:
@@ -378,15 +393,27 @@ class ClusterView:
         if node.state != "online":
             node.state = "online"  # a sample proves the agent is alive
 
-    def gap(self, node: str, topic: str, seq: int) -> int:
+    def gap(self, node: str, topic: str, seq: int, now: float) -> int | None:
         """How many messages ``node``'s agent sent on ``topic`` before the one numbered
-        ``seq`` never arrived (``tmd.wire``): 0 as well where its count started over."""
+        ``seq`` never arrived (``tmd.wire``): 0 as well where its count started over
+        (below ``RESTARTED_BELOW``) or the message came twice. None where the numbers
+        make no sense: going back to past where a count starts, or more missing than
+        the agent could have sent since the last one came (``MAX_RATE``): two agents
+        under one name, or a forged number. That node's gaps are then not judged for
+        ``DOUBT_S``, so no one agent keeps the whole view settling."""
         view = self.nodes.get(node)
-        if view is None:
+        if view is None or now < view.seq_doubted_until:
             return 0
-        last = view.seq.get(topic, 0)
-        view.seq[topic] = seq
-        return seq - last - 1 if last and seq > last else 0
+        last, at = view.seq.get(topic, _NO_SEQ)
+        view.seq[topic] = (seq, now)
+        if not last or seq == last or (seq < last and seq < RESTARTED_BELOW):
+            return 0
+        lost = seq - last - 1
+        if 0 <= lost <= MAX_SLACK + MAX_RATE * (now - at):
+            return lost
+        view.seq.clear()
+        view.seq_doubted_until = now + DOUBT_S
+        return None
 
     def restart_sequences(self) -> None:
         """This daemon (re)subscribed: what was sent while it was away is not a loss

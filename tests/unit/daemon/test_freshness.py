@@ -61,6 +61,7 @@ def test_a_lost_connection_settles_again_even_when_short() -> None:
 def test_a_view_fed_directly_is_always_trusted() -> None:
     f = Freshness.always()
     assert f.state(T0) == "current" and f.since(T0) == -math.inf
+    assert f.lost(T0) and f.since(T0 + 1) == -math.inf  # nothing on the way to lose
 
 
 def test_messages_lost_on_the_way_settle_the_view_anew() -> None:

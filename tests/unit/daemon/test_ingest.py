@@ -17,7 +17,7 @@ from tmd import config, wire
 from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest, classify
 from tmd.daemon.metrics import Metrics
-from tmd.daemon.view import ClusterView
+from tmd.daemon.view import DOUBT_S, ClusterView
 from tmd.errors import ProtocolError, PublishError
 
 
@@ -466,3 +466,40 @@ def test_gaps_in_an_agent_s_numbers_are_counted_as_lost_and_settle_the_view() ->
     assert (
         shared_metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"}) == 0
     )
+
+
+def test_numbers_that_make_no_sense_neither_count_as_lost_nor_keep_the_view_settling() -> None:
+    """A numbered message the checks refuse still arrived; two agents under one name
+    (their numbers interleaved) or a forged jump are not believed: that node's gaps are
+    not judged for a while, so no one agent keeps every finding of absence away."""
+    ingest, _, metrics, _ = make_ingest()
+    clock = ingest._clock
+    ingest.freshness.connection(True, clock.now())
+    ingest.freshness.answered(clock.now(), clock.now())
+
+    def gpu(node: str, seq: int, *, twice: bool = False) -> None:
+        gpus = [wire.GpuSample(index=0)] * (2 if twice else 1)
+        sample = wire.NodeGpu(ts=clock.now(), node=node, seq=seq, gpus=gpus)
+        ingest.handle(wire.node_topic(node, "gpu"), wire.encode(sample))
+
+    def lost() -> float | None:
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"})
+
+    for seq in (1, 2):  # the first makes the node, the second is its count's start
+        gpu("a", seq)
+    gpu("a", 3, twice=True)  # refused (a GPU index twice), yet it came
+    gpu("a", 4)
+    assert metrics.rejected_by["schema"].value == 1 and lost() == 0
+    for k in range(20):  # a cloned machine: two agents publish as "b"
+        gpu("b", 1000 + k)
+        gpu("b", 5 + k)
+    for seq in (1, 2, (1 << 62) - 1, 3):  # a forged jump
+        gpu("c", seq)
+    assert lost() == 0
+    clock.advance(5.1)
+    ingest.freshness.answered(clock.now(), clock.now())
+    assert ingest.freshness.since(clock.now()) is not None  # nothing kept it settling
+    clock.advance(DOUBT_S)
+    gpu("b", 1030)
+    gpu("b", 1032)  # believed again after a while: a real gap counts
+    assert lost() == 1

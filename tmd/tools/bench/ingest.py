@@ -195,9 +195,10 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
     """Wait until the view holds every step published, or has stopped growing for
     ``_STILL_S`` (what the broker dropped never comes), for at most ``_DRAIN_S``.
 
-    Not longer: the publisher has stopped, so every machine is silent from its last
-    message on, and a wait past ``node_lost``'s heartbeat timeout (15 s) would count
-    its findings of that silence as the run's decisions."""
+    Not longer once it stops growing: the publisher has stopped, so every machine is
+    silent from its last message on, and a wait past ``node_lost``'s heartbeat timeout
+    (15 s) would count its findings of that silence as the run's decisions. (While the
+    view grows the daemon is still reading what they sent: no silence yet.)"""
     view_steps, still = -1, 0
     for _ in range(int(_DRAIN_S / 0.2)):
         await asyncio.sleep(0.2)
