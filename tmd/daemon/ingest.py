@@ -149,7 +149,7 @@ class Ingest:
         view = self._view
         if kind in _NUMBERED and message.seq is not None and publish:
             # Arrived, whatever the checks below say of it: not a gap.
-            self._numbered(owner, _NUMBERED[kind], message.seq, now)
+            self._numbered(owner, _NUMBERED[kind], message.seq, message.ts, now)
         if kind == "iter":
             if message.job != owner or message.rank != rank:
                 raise ProtocolError("mismatch", "job or rank differs from the topic")
@@ -235,14 +235,14 @@ class Ingest:
                     self._bus.publish(batches[i])
         self._count(total)
 
-    def _numbered(self, node: str, topic: str, seq: int, now: float) -> None:
+    def _numbered(self, node: str, topic: str, seq: int, ts: float, now: float) -> None:
         """``node``'s agent numbered this message on ``topic`` ``seq``: those missing
         before it were lost on the way here (a broker drops what a subscriber that lags
         cannot take), so the view is whole again only from now (``Freshness.lost``).
         Not judged under a shared subscription, where each head reads some of them."""
         if self._mqtt.shared_group:
             return
-        lost = self._view.gap(node, topic, seq, now)
+        lost = self._view.gap(node, topic, seq, ts, now)
         if lost is None:
             self._log.warning(
                 "an agent's sequence numbers make no sense: two agents under one name, "

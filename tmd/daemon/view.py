@@ -115,7 +115,7 @@ class NodeView:
     """When (daemon time) anything its agent published live last arrived."""
     seq: dict[str, tuple[int, float]] = field(default_factory=dict)
     """The last sequence number read on each of its agent's telemetry topics
-    (``tmd.wire``), and when, since its agent or this daemon last (re)connected."""
+    (``tmd.wire``), and its stamp, since its agent or this daemon last (re)connected."""
     seq_doubted_until: float = 0.0
     """Its numbers made no sense (``ClusterView.gap``): not judged until then."""
 
@@ -393,23 +393,24 @@ class ClusterView:
         if node.state != "online":
             node.state = "online"  # a sample proves the agent is alive
 
-    def gap(self, node: str, topic: str, seq: int, now: float) -> int | None:
+    def gap(self, node: str, topic: str, seq: int, ts: float, now: float) -> int | None:
         """How many messages ``node``'s agent sent on ``topic`` before the one numbered
-        ``seq`` never arrived (``tmd.wire``): 0 as well where its count started over
-        (below ``RESTARTED_BELOW``) or the message came twice. None where the numbers
-        make no sense: going back to past where a count starts, or more missing than
-        the agent could have sent since the last one came (``MAX_RATE``): two agents
-        under one name, or a forged number. That node's gaps are then not judged for
-        ``DOUBT_S``, so no one agent keeps the whole view settling."""
+        ``seq`` and sent at ``ts`` (its clock) never arrived (``tmd.wire``): 0 as well
+        where its count started over (below ``RESTARTED_BELOW``) or the message came
+        twice. None where the numbers make no sense: going back to past where a count
+        starts, or more missing than the agent could have sent between the two
+        (``MAX_RATE``, by their stamps: they may arrive together, from a backlog): two
+        agents under one name, or a forged number. That node's gaps are then not
+        judged for ``DOUBT_S``, so no one agent keeps the whole view settling."""
         view = self.nodes.get(node)
         if view is None or now < view.seq_doubted_until:
             return 0
-        last, at = view.seq.get(topic, _NO_SEQ)
-        view.seq[topic] = (seq, now)
+        last, last_ts = view.seq.get(topic, _NO_SEQ)
+        view.seq[topic] = (seq, ts)
         if not last or seq == last or (seq < last and seq < RESTARTED_BELOW):
             return 0
         lost = seq - last - 1
-        if 0 <= lost <= MAX_SLACK + MAX_RATE * (now - at):
+        if 0 <= lost <= MAX_SLACK + MAX_RATE * (ts - last_ts):
             return lost
         view.seq.clear()
         view.seq_doubted_until = now + DOUBT_S

@@ -46,10 +46,13 @@ class Mosquitto:
         listener_config: str = "",
         allow_anonymous: bool = True,
         config: str = "",
+        max_queued_messages: int = 100_000,
     ) -> None:
         """``listener_config``: lines for the listener (``cafile``, ``certfile``, ...);
         ``config``: a whole broker configuration instead (its own ``listener`` on
-        ``port``), to which only logging and the process's user are added."""
+        ``port``), to which only logging and the process's user are added.
+        ``max_queued_messages``: what it keeps for a client that lags before it drops
+        (QoS 0 too: mosquitto drops them past this many unsent packets)."""
         binary = find_mosquitto()
         if binary is None:
             raise TmdError("mosquitto not found: install it (apt-get install -y mosquitto)")
@@ -74,7 +77,7 @@ class Mosquitto:
             # the test's key files; stay who we are (ignored when not root).
             + f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
             "persistence false\n"
-            "max_queued_messages 100000\n"
+            f"max_queued_messages {max_queued_messages}\n"
             "max_inflight_messages 0\n"
             f"log_dest file {self.log_path}\n"
         )
