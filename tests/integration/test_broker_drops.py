@@ -90,6 +90,7 @@ async def test_a_broker_s_drops_are_counted_as_lost_and_settle_the_view(
         got = daemon.metrics.received_by["gpu"].value - received
         lost = daemon.metrics.lost_by["gpu"].value
         assert lost > 0 and got + lost == last - 2, (got, lost, last)
+        assert daemon.health()["messages_lost"] == lost
         # Absence is not judged until the view settles from the loss.
         assert daemon.ingest.freshness.since(daemon.clock.now()) is None
     finally:
