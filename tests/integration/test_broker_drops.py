@@ -5,7 +5,8 @@ drops the QoS 0 ones past that; the daemon's lag probe comes back behind them al
 same. The agents' sequence numbers (``tmd.wire``) are what tell: here a daemon whose
 event loop is held while a machine's agent sends a burst far past the socket buffers
 counts every message it did not get in ``tmd_messages_lost_total``, no more, and
-settles its view anew rather than trust a silence the broker made."""
+settles its view anew rather than trust a silence the broker made (mosquitto 2: 1.6
+did not drop QoS 0 messages for a connected client)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ async def test_a_broker_s_drops_are_counted_as_lost_and_settle_the_view(
     small_queue_broker: Mosquitto, start_daemon: DaemonFactory
 ) -> None:
     broker = small_queue_broker
-    daemon = await start_daemon(broker, ingest={"stale_settle_s": 30.0})
+    # Its loop held for a while is not a stale view here (probes may be 60 s late): what
+    # settles it anew is the loss alone.
+    daemon = await start_daemon(broker, ingest={"stale_settle_s": 1.0, "stale_lag_s": 60.0})
     agent = paho.Client(CallbackAPIVersion.VERSION2, client_id="agent-" + NODE)
     agent.connect(broker.host, broker.port)
     agent.loop_start()
@@ -63,13 +66,15 @@ async def test_a_broker_s_drops_are_counted_as_lost_and_settle_the_view(
             agent.publish(topic, sample(seq), qos=0)
         node = await eventually(lambda: (n := daemon.view.nodes.get(NODE)) and n.seq.get("gpu"))
         assert node == (2, node[1])
-        await eventually(lambda: daemon.ingest.freshness.state(daemon.clock.now()) != "stale")
+        freshness = daemon.ingest.freshness
+        await eventually(lambda: freshness.state(daemon.clock.now()) == "current")
         received = daemon.metrics.received_by["gpu"].value
         # The daemon's loop is held (this coroutine does not yield) while the burst goes
         # out from paho's own thread and the broker has all of it.
         for seq in range(3, 3 + BURST):
             agent.publish(topic, sample(seq), qos=0)
         sent_through()
+        held_until = daemon.clock.now()
 
         # Then, the loop running again, one more until one gets through (a gap shows
         # only to the message after it; while the backlog drains, the broker drops
@@ -91,8 +96,8 @@ async def test_a_broker_s_drops_are_counted_as_lost_and_settle_the_view(
         lost = daemon.metrics.lost_by["gpu"].value
         assert lost > 0 and got + lost == last - 2, (got, lost, last)
         assert daemon.health()["messages_lost"] == lost
-        # Absence is not judged until the view settles from the loss.
-        assert daemon.ingest.freshness.since(daemon.clock.now()) is None
+        # Absence is measured from the loss, found once the loop ran again.
+        assert freshness.fresh_since is not None and freshness.fresh_since >= held_until
     finally:
         agent.disconnect()
         agent.loop_stop()

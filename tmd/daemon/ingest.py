@@ -15,6 +15,7 @@ O(size of the message).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import secrets
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import aiomqtt
+import msgspec
 
 from tmd import log, wire
 from tmd.clock import Clock
@@ -48,6 +50,16 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 
 
 _NUMBERED: Final = {"gpu": "gpu", "node_iter": "iter"}  # kind -> the topic numbered apart
+
+
+class _SeqHeader(msgspec.Struct):
+    """What a refused numbered message is read for: its number and stamp, bounded."""
+
+    seq: wire.Count | None = None
+    ts: wire.Timestamp = 0.0
+
+
+_SEQ_HEADER: Final = msgspec.json.Decoder(_SeqHeader)
 _RANK: Final = re.compile(r"0|[1-9][0-9]{0,7}", re.ASCII)
 
 
@@ -139,6 +151,8 @@ class Ingest:
             message = wire.decode(payload, _TYPES[kind])
             self._apply(kind, owner, rank, message, now, publish=not retained)
         except ProtocolError as exc:
+            if kind in _NUMBERED and not retained:
+                self._refused_numbered(owner, kind, payload, now)
             self._reject(topic, kind, exc, now)
         except Exception as exc:  # a bug, not bad input: count it, keep serving
             self._reject(topic, kind, ProtocolError("internal", repr(exc)), now)
@@ -234,6 +248,18 @@ class Ingest:
                 for i in taken:
                     self._bus.publish(batches[i])
         self._count(total)
+
+    def _refused_numbered(self, node: str, kind: str, payload: bytes, now: float) -> None:
+        """A numbered message refused whole (too big, or a field out of bounds) still
+        came: its number, where one can be read, is not a gap (``_numbered`` twice over
+        one message is as once)."""
+        try:
+            header = _SEQ_HEADER.decode(payload)
+        except (msgspec.DecodeError, RecursionError):
+            return
+        if header.seq is not None:  # on this node's topic: its agent's, whatever it says
+            with contextlib.suppress(ProtocolError):  # the view is full: refused anyway
+                self._numbered(node, _NUMBERED[kind], header.seq, header.ts, now)
 
     def _numbered(self, node: str, topic: str, seq: int, ts: float, now: float) -> None:
         """``node``'s agent numbered this message on ``topic`` ``seq``: those missing

@@ -88,8 +88,11 @@ class JobView:
 MAX_RATE: Final = 100.0
 """The most messages a second an agent sends on one topic (its samples come at most
 every 0.05 s, its relayed batches a few messages a tick)..."""
-MAX_SLACK: Final = 16
-"""...and at once: more missing than these allow is not believed (``ClusterView.gap``)."""
+MAX_SLACK: Final = 128
+"""...and at once (a relaying agent's backlog goes out in up to 64 messages back to
+back): more missing than these allow is not believed (``ClusterView.gap``)."""
+MAX_AHEAD_S: Final = 60.0
+"""How far ahead of this daemon's clock an agent's stamp is taken as it is."""
 RESTARTED_BELOW: Final = 16
 """A number that goes back to below this is an agent that started over (its first
 messages may be lost too); one that goes back to above it is not believed."""
@@ -396,22 +399,28 @@ class ClusterView:
     def gap(self, node: str, topic: str, seq: int, ts: float, now: float) -> int | None:
         """How many messages ``node``'s agent sent on ``topic`` before the one numbered
         ``seq`` and sent at ``ts`` (its clock) never arrived (``tmd.wire``): 0 as well
-        where its count started over (below ``RESTARTED_BELOW``) or the message came
-        twice. None where the numbers make no sense: going back to past where a count
-        starts, or more missing than the agent could have sent between the two
-        (``MAX_RATE``, by their stamps: they may arrive together, from a backlog): two
-        agents under one name, or a forged number. That node's gaps are then not
-        judged for ``DOUBT_S``, so no one agent keeps the whole view settling."""
-        view = self.nodes.get(node)
-        if view is None or now < view.seq_doubted_until:
+        where its count started over (below ``RESTARTED_BELOW``), the message came
+        twice, or its clock stepped back (a count starts over from it). None where the
+        numbers make no sense: going back to past where a count starts, or more
+        missing than the agent could have sent between the two stamps (``MAX_RATE``
+        and ``MAX_SLACK``; by the stamps, not by arrival: a backlog arrives at once; a
+        stamp ahead of this daemon's clock by more than ``MAX_AHEAD_S`` counts as that
+        far): two agents under one name, or a forged number. That node's gaps are then
+        not judged for ``DOUBT_S``, so no one agent keeps the whole view settling.
+        Its first message makes the node (``limit`` past ``max_nodes``)."""
+        view = self._node(node, now)
+        if now < view.seq_doubted_until:
             return 0
+        ts = min(ts, now + MAX_AHEAD_S)
         last, last_ts = view.seq.get(topic, _NO_SEQ)
         view.seq[topic] = (seq, ts)
-        if not last or seq == last or (seq < last and seq < RESTARTED_BELOW):
+        if not last or seq == last + 1 or seq == last or ts < last_ts:
             return 0
-        lost = seq - last - 1
-        if 0 <= lost <= MAX_SLACK + MAX_RATE * (ts - last_ts):
-            return lost
+        if seq < last:
+            if seq < RESTARTED_BELOW:
+                return 0
+        elif seq - last - 1 <= MAX_SLACK + MAX_RATE * (ts - last_ts):
+            return seq - last - 1
         view.seq.clear()
         view.seq_doubted_until = now + DOUBT_S
         return None

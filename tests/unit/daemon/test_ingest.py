@@ -503,3 +503,37 @@ def test_numbers_that_make_no_sense_neither_count_as_lost_nor_keep_the_view_sett
     gpu("b", 1030)
     gpu("b", 1032)  # believed again after a while: a real gap counts
     assert lost() == 1
+
+
+def test_what_counts_as_lost_at_the_edges() -> None:
+    """A node's first message starts its count; a clock that steps back starts it over;
+    a relaying agent's backlog burst is believed; a message refused at decoding still
+    came; a stamp far ahead is taken as no further than a minute."""
+    ingest, _, metrics, _ = make_ingest()
+    t = ingest._clock.now()
+
+    def send(node: str, seq: int, ts: float, **gpu: Any) -> None:
+        sample: dict[str, Any] = {"v": 1, "ts": ts, "node": node, "seq": seq}
+        sample["gpus"] = [{"index": 0, **gpu}] if gpu else []
+        ingest.handle(wire.node_topic(node, "gpu"), json.dumps(sample).encode())
+
+    def lost() -> float | None:
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"})
+
+    send("new", 1, t)
+    send("new", 5, t + 0.1)  # the node's first message was its count's start
+    assert lost() == 3
+    for seq, stamp in ((1, t), (2, t + 1), (3, t + 2), (4, t + 1.5), (6, t + 2.5)):
+        send("stepped", seq, stamp)  # NTP stepped its clock back before 4
+    assert lost() == 4  # 5 only: still believed
+    send("burst", 1, t)
+    send("burst", 42, t + 0.1)  # 40 of a 64-message backlog dropped, sent in 0.1 s
+    assert lost() == 44
+    send("refused", 1, t)
+    send("refused", 2, t)
+    send("refused", 3, t, mem_used_mb=-1)  # out of bounds: refused whole, yet it came
+    send("refused", 4, t)
+    assert lost() == 44 and metrics.rejected_by["value"].value == 1
+    send("ahead", 1, t)
+    send("ahead", 9 * 10**12, 1e11)  # "sent" in the year 5138: as if a minute from now
+    assert lost() == 44
