@@ -382,7 +382,6 @@ class ClusterView:
         node.status_ts = status.ts
         if live:
             node.status_seen = now
-        if live:
             node.seq.clear()  # its agent (re)connected: what it sent meanwhile is its own
         node.state = status.state
         node.role = status.role
