@@ -50,6 +50,7 @@ def test_bench_ingest_prints_its_fields_and_loses_nothing_at_small_scale(via: st
     ):
         assert key in r, key
     assert r["ranks"] == 256 and r["via"] == via and r["loss"] == 0.0 and r["rejected"] == 0.0
+    assert r["messages_lost"] == 0  # the agents number theirs: none went missing
     assert r["decisions"] == 0  # a healthy cluster: nothing found, nothing moved
     # Through the agents, one message per machine of 8 ranks (and its GPU sample).
     assert r["nodes"] == 32
