@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
@@ -57,6 +58,7 @@ class MqttControl:
         self.ignored: dict[str, int] = {}  # well-formed commands not acted on, by why
         self._max_age_s = max_age.total_seconds()
         self.published = 0
+        self._seq: dict[tuple[str, int | None, int], int] = {}  # the telemetry's numbers
         self._inbox: queue.SimpleQueue[wire.Control] = queue.SimpleQueue()
         self._stopped = False
         self._last: paho.MQTTMessageInfo | None = None
@@ -214,8 +216,20 @@ class MqttControl:
     # -- telemetry sink ----------------------------------------------------------------
 
     def publish(self, topic: str, payload: bytes) -> None:
-        self._client.publish(topic, payload, qos=0)
+        """Publish a batch (an encoded ``IterBatch``), numbered on its topic for its run
+        and generation (``tmd.wire``): only what paho took to send counts."""
+        batch = wire.decode(payload, wire.IterBatch)
+        key = (topic, batch.run, batch.generation)
+        seq = self._seq.get(key, 0) + 1
+        numbered = wire.encode(msgspec.structs.replace(batch, seq=seq))
+        if self._client.publish(topic, numbered, qos=0).rc == paho.MQTT_ERR_SUCCESS:
+            if len(self._seq) >= _MAX_NUMBERED and key not in self._seq:
+                self._seq.clear()  # a rank's topic once per generation: never this many
+            self._seq[key] = seq
         self.published += 1
+
+
+_MAX_NUMBERED = 1024
 
 
 _REFUSED = frozenset({"Bad user name or password", "Not authorized"})

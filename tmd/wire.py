@@ -10,13 +10,15 @@ names are single topic segments.
 
 Sequence numbers (``seq``): an agent numbers what it sends on each of its telemetry
 topics (``gpu``, ``iter``) 1, 2, 3..., counting only what it handed to the broker; a
-restarted agent starts over at 1. MQTT keeps one publisher's messages on a topic in
-order, so a receiver that reads ``n`` after ``m < n - 1`` knows ``n - m - 1`` were
-lost on the way (a broker drops what a subscriber that lags cannot take), and one
-that reads ``n <= m`` knows the agent started over (or a message came twice across a
-reconnect) and counts on from ``n``. What an agent handed over just before its link
-died is lost before the broker, and may be counted so where its reconnect's status
-arrives after its next messages: a loss all the same.
+restarted agent starts over at 1; so does a rank process on its own ``iter`` topic,
+counted apart for each run and generation (a switch brings in another process). MQTT
+keeps one publisher's messages on a topic in order, so a receiver that reads ``n``
+after ``m < n - 1`` knows ``n - m - 1`` were lost on the way (a broker drops what a
+subscriber that lags cannot take), and one that reads ``n <= m`` knows the sender
+started over (or a message came twice across a reconnect) and counts on from ``n``.
+What an agent handed over just before its link died is lost before the broker, and
+may be counted so where its reconnect's status arrives after its next messages: a
+loss all the same.
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ class IterBatch(Message, kw_only=True, frozen=True):
     run: Count | None = None
     """The job's run (``JobStatus.run``: its launcher's restart count) these steps belong
     to; None from a runtime before runs were sent (then the job's status tells)."""
+    seq: Count | None = None
+    """The rank process's sequence number on this topic, of what it published itself
+    (see the module's docstring; what its machine's agent relayed is not counted)."""
 
     def rows(self) -> list[Row]:
         """Its steps as ``Row`` tuples, the form the view takes them in."""

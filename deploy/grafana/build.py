@@ -419,16 +419,16 @@ def rows() -> list[tuple[str, list[Json]]]:
                 "Messages rejected or lost",
                 "Messages dropped as invalid, by reason (README, topic"
                 " reference): version (a sender newer than the daemon), rank, schema, json,"
-                " value, mismatch, limit (the view's caps), internal (a bug). And agents'"
-                " messages lost on the way (gaps in their sequence numbers: the broker"
+                " value, mismatch, limit (the view's caps), internal (a bug). And telemetry"
+                " lost on the way (gaps in its senders' sequence numbers: the broker"
                 " drops what a daemon that lags cannot take; TmdMessagesLost).",
                 _target(
                     f"sum by (reason) (rate(tmd_messages_rejected_total{{{SEL}}}[{RATE}]))",
                     "{{reason}}",
                 ),
                 _target(
-                    f"sum by (topic) (rate(tmd_messages_lost_total{{{SEL}}}[{RATE}]))",
-                    "lost: {{topic}}",
+                    f"sum by (kind) (rate(tmd_messages_lost_total{{{SEL}}}[{RATE}]))",
+                    "lost: {{kind}}",
                 ),
                 unit="count:msg/s",
                 thresholds=[("green", None), ("red", 0.001)],

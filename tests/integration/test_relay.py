@@ -72,8 +72,8 @@ async def test_steps_come_through_the_agent_and_straight_on_once_it_dies(
         assert fresh.state == "online" and fresh.sample is not None
         assert fresh.sample.ts > sample.ts
         # What it relays is numbered, and nothing went missing on the way (tmd.wire).
-        assert fresh.seq["iter"][0] >= 2
-        assert daemon.metrics.lost_by["iter"].value == daemon.metrics.lost_by["gpu"].value == 0
+        assert fresh.seq["node_iter"][0] >= 2
+        assert daemon.metrics.lost_by["node_iter"].value == daemon.metrics.lost_by["gpu"].value == 0
         # Hung first: the ranks' batches pile up in its socket, taken and never
         # published; then dead, its socket file left behind with nobody reading it.
         agent.send_signal(signal.SIGSTOP)
@@ -90,6 +90,9 @@ async def test_steps_come_through_the_agent_and_straight_on_once_it_dies(
 
         await eventually(complete, timeout_s=30)
         assert received["iter"].value > 0  # the rest came straight from the ranks
+        # Numbered by each rank's runtime as it published them; none went missing.
+        assert all(daemon.view.jobs[JOB].ranks[r].seq is not None for r in (0, 1))
+        assert daemon.metrics.lost_by["iter"].value == 0
         assert all(daemon.view.jobs[JOB].ranks[r].late == 0 for r in (0, 1))
         assert os.path.exists(sock)  # noqa: ASYNC240 (a killed agent leaves it)
     finally:

@@ -162,7 +162,7 @@ class Daemon:
             "mqtt": "connected" if self.ingest.connected else "disconnected",
             "loop_lag_s": round(self.loop_lag_s, 4),
             "view": self.view.freshness.state(self.clock.now()),
-            # Agents' messages known lost on the way here: each settles the view anew.
+            # Telemetry known lost on the way here: each settles the view anew.
             "messages_lost": sum(t.value for t in self.metrics.lost_by.values()),
             "plugins": up,
         }

@@ -49,14 +49,17 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 }
 
 
-_NUMBERED: Final = {"gpu": "gpu", "node_iter": "iter"}  # kind -> the topic numbered apart
+_NUMBERED: Final = frozenset({"gpu", "node_iter", "iter"})  # each topic numbered apart
 
 
 class _SeqHeader(msgspec.Struct):
-    """What a refused numbered message is read for: its number and stamp, bounded."""
+    """What a refused numbered message is read for: its number and stamp (and a
+    rank's run and generation), bounded."""
 
     seq: wire.Count | None = None
     ts: wire.Timestamp = 0.0
+    run: wire.Count | None = None
+    generation: wire.Count = 0
 
 
 _SEQ_HEADER: Final = msgspec.json.Decoder(_SeqHeader)
@@ -152,7 +155,7 @@ class Ingest:
             self._apply(kind, owner, rank, message, now, publish=not retained)
         except ProtocolError as exc:
             if kind in _NUMBERED and not retained:
-                self._refused_numbered(owner, kind, payload, now)
+                self._refused_numbered(owner, kind, rank, payload, now)
             self._reject(topic, kind, exc, now)
         except Exception as exc:  # a bug, not bad input: count it, keep serving
             self._reject(topic, kind, ProtocolError("internal", repr(exc)), now)
@@ -161,13 +164,15 @@ class Ingest:
         self, kind: str, owner: str, rank: int | None, message: Any, now: float, *, publish: bool
     ) -> None:
         view = self._view
-        if kind in _NUMBERED and message.seq is not None and publish:
+        if kind in _NUMBERED and message.seq is not None and publish and kind != "iter":
             # Arrived, whatever the checks below say of it: not a gap.
-            self._numbered(owner, _NUMBERED[kind], message.seq, message.ts, now)
+            self._numbered(owner, kind, None, message, now)
         if kind == "iter":
             if message.job != owner or message.rank != rank:
                 raise ProtocolError("mismatch", "job or rank differs from the topic")
             self._apply_iter(message, now)
+            if message.seq is not None and publish:  # numbered once its rank is held
+                self._numbered(owner, kind, rank, message, now)
         elif kind == "node_iter":
             self._apply_relayed(message, owner, now, publish=publish)
             return  # what it carries went on the bus
@@ -249,41 +254,51 @@ class Ingest:
                     self._bus.publish(batches[i])
         self._count(total)
 
-    def _refused_numbered(self, node: str, kind: str, payload: bytes, now: float) -> None:
-        """A numbered message refused whole (too big, or a field out of bounds) still
-        came: its number, where one can be read, is not a gap (``_numbered`` twice over
-        one message is as once)."""
+    def _refused_numbered(
+        self, owner: str, kind: str, rank: int | None, payload: bytes, now: float
+    ) -> None:
+        """A numbered message refused (too big, a field out of bounds, a check failed)
+        still came: its number, where one can be read, is not a gap (``_numbered``
+        twice over one message is as once)."""
         try:
             header = _SEQ_HEADER.decode(payload)
         except (msgspec.DecodeError, RecursionError):
             return
-        if header.seq is not None:  # on this node's topic: its agent's, whatever it says
+        if header.seq is not None:  # on this topic: its sender's, whatever it says
             with contextlib.suppress(ProtocolError):  # the view is full: refused anyway
-                self._numbered(node, _NUMBERED[kind], header.seq, header.ts, now)
+                self._numbered(owner, kind, rank, header, now)
 
-    def _numbered(self, node: str, topic: str, seq: int, ts: float, now: float) -> None:
-        """``node``'s agent numbered this message on ``topic`` ``seq``: those missing
-        before it were lost on the way here (a broker drops what a subscriber that lags
-        cannot take), so the view is whole again only from now (``Freshness.lost``).
-        Not judged under a shared subscription, where each head reads some of them."""
+    def _numbered(self, owner: str, kind: str, rank: int | None, message: Any, now: float) -> None:
+        """``message`` (``seq``, ``ts``; a rank's ``run`` and ``generation``) came on
+        the ``kind`` topic of ``owner`` (a machine; a job where ``rank``): those its
+        sender numbered before it and that never came were lost on the way here (a
+        broker drops what a subscriber that lags cannot take), so the view is whole
+        again only from now (``Freshness.lost``). Not judged under a shared
+        subscription, where each head reads some of them."""
         if self._mqtt.shared_group:
             return
-        lost = self._view.gap(node, topic, seq, ts, now)
+        view = self._view
+        if rank is None:
+            lost = view.gap(owner, kind, message.seq, message.ts, now)
+        else:
+            lost = view.rank_gap(owner, rank, message.run, message.generation,
+                                 message.seq, message.ts, now)  # fmt: skip
+        where = owner if rank is None else f"{owner} rank {rank}"
         if lost is None:
             self._log.warning(
-                "an agent's sequence numbers make no sense: two agents under one name, "
-                "or a forged message; its gaps are not judged for a while",
-                node=node, topic=topic, seq=seq, for_s=DOUBT_S,
+                "sequence numbers that make no sense: two senders under one name, or "
+                "a forged message; their gaps are not judged for a while",
+                sender=where, kind=kind, seq=message.seq, for_s=DOUBT_S,
             )  # fmt: skip
             return
         if not lost:
             return
-        self._metrics.lost_by[topic].inc(lost)
+        self._metrics.lost_by[kind].inc(lost)
         if self.freshness.lost(now):
             self._log.warning(
                 "messages lost on the way to this daemon: no finding of absence until "
                 "the view settles",
-                node=node, topic=topic, lost=lost,
+                sender=where, kind=kind, lost=lost,
                 settle_s=self._config.stale_settle_s,
             )  # fmt: skip
 

@@ -110,9 +110,10 @@ class _IngestCollector(Collector):
             ("tmd_rank_steps", "Rank step reports, by outcome", "outcome", m.steps_by),
             (
                 "tmd_messages_lost",
-                "Agents' messages that never reached this daemon (gaps in their sequence"
-                " numbers: a broker drops what a subscriber that lags cannot take), by topic",
-                "topic",
+                "Messages that never reached this daemon (gaps in their senders' sequence"
+                " numbers: a broker drops what a subscriber that lags cannot take),"
+                " by kind of topic",
+                "kind",
                 m.lost_by,
             ),
         ):
@@ -252,7 +253,7 @@ class Metrics:
         self.received_by = {k: Tally() for k in MESSAGE_KINDS}
         self.rejected_by = {k: Tally() for k in REJECT_REASONS}
         self.steps_by = {k: Tally() for k in ("accepted", "duplicate", "late")}
-        self.lost_by = {k: Tally() for k in ("gpu", "iter")}
+        self.lost_by = {k: Tally() for k in ("gpu", "node_iter", "iter")}
         self.latency = FastHistogram(LATENCY_BUCKETS)
         r.register(_IngestCollector(self))
         self.mqtt_connected = Gauge(

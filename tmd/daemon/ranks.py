@@ -32,6 +32,8 @@ class RankState:
         "node",
         "rank",
         "run",
+        "seq",
+        "seq_doubted_until",
         "total_steps",
         "window",
     )
@@ -48,6 +50,10 @@ class RankState:
         self.last_seen = 0.0
         self.total_steps = 0
         self.duplicates = 0
+        # What it published itself: its last number, stamp, run and generation, and
+        # until when its numbers are not believed (``ClusterView.rank_gap``).
+        self.seq: tuple[int, float, int | None, int] | None = None
+        self.seq_doubted_until = 0.0
         self.late = 0
 
     @property

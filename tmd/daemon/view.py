@@ -101,6 +101,21 @@ DOUBT_S: Final = 600.0
 _NO_SEQ: Final = (0, 0.0)
 
 
+def missing(last: int, last_ts: float, seq: int, ts: float) -> int | None:
+    """How many a sender numbered between ``last`` (stamped ``last_ts``; 0: none yet)
+    and ``seq`` (stamped ``ts``) never came: 0 where its count started over (below
+    ``RESTARTED_BELOW``), the message came twice, or its clock stepped back (a count
+    starts over from it). None where the numbers make no sense: going back to past
+    where a count starts, or more missing than it could have sent between the two
+    stamps (by the stamps, not by arrival: a backlog arrives at once)."""
+    if not last or seq == last + 1 or seq == last or ts < last_ts:
+        return 0
+    if seq < last:
+        return 0 if seq < RESTARTED_BELOW else None
+    lost = seq - last - 1
+    return lost if lost <= MAX_SLACK + MAX_RATE * (ts - last_ts) else None
+
+
 @dataclass
 class NodeView:
     node: str
@@ -397,32 +412,45 @@ class ClusterView:
 
     def gap(self, node: str, topic: str, seq: int, ts: float, now: float) -> int | None:
         """How many messages ``node``'s agent sent on ``topic`` before the one numbered
-        ``seq`` and sent at ``ts`` (its clock) never arrived (``tmd.wire``): 0 as well
-        where its count started over (below ``RESTARTED_BELOW``), the message came
-        twice, or its clock stepped back (a count starts over from it). None where the
-        numbers make no sense: going back to past where a count starts, or more
-        missing than the agent could have sent between the two stamps (``MAX_RATE``
-        and ``MAX_SLACK``; by the stamps, not by arrival: a backlog arrives at once; a
-        stamp ahead of this daemon's clock by more than ``MAX_AHEAD_S`` counts as that
-        far): two agents under one name, or a forged number. That node's gaps are then
-        not judged for ``DOUBT_S``, so no one agent keeps the whole view settling.
-        Its first message makes the node (``limit`` past ``max_nodes``)."""
+        ``seq`` and sent at ``ts`` (its clock) never arrived (``tmd.wire``), as
+        ``missing`` judges; None where the numbers make no sense (two agents under one
+        name, or a forged number): that node's gaps are then not judged for
+        ``DOUBT_S``, so no one agent keeps the whole view settling. Its first message
+        makes the node (``limit`` past ``max_nodes``)."""
         view = self._node(node, now)
         if now < view.seq_doubted_until:
             return 0
         ts = min(ts, now + MAX_AHEAD_S)
         last, last_ts = view.seq.get(topic, _NO_SEQ)
         view.seq[topic] = (seq, ts)
-        if not last or seq == last + 1 or seq == last or ts < last_ts:
+        lost = missing(last, last_ts, seq, ts)
+        if lost is None:
+            view.seq.clear()
+            view.seq_doubted_until = now + DOUBT_S
+        return lost
+
+    def rank_gap(
+        self, job: str, rank: int, run: int | None, generation: int, seq: int, ts: float,
+        now: float,
+    ) -> int | None:  # fmt: skip
+        """As ``gap``, for what a rank published itself on its own topic, counted apart
+        for each run and generation (a switch brings in another process, and the
+        leaver's last batches may come after the joiner's first). 0 for a rank the view
+        does not hold."""
+        j = self.jobs.get(job)
+        state = j.ranks.get(rank) if j is not None else None
+        if state is None or now < state.seq_doubted_until:
             return 0
-        if seq < last:
-            if seq < RESTARTED_BELOW:
-                return 0
-        elif seq - last - 1 <= MAX_SLACK + MAX_RATE * (ts - last_ts):
-            return seq - last - 1
-        view.seq.clear()
-        view.seq_doubted_until = now + DOUBT_S
-        return None
+        ts = min(ts, now + MAX_AHEAD_S)
+        last = state.seq
+        state.seq = (seq, ts, run, generation)
+        if last is None or last[2] != run or last[3] != generation:
+            return 0
+        lost = missing(last[0], last[1], seq, ts)
+        if lost is None:
+            state.seq = None
+            state.seq_doubted_until = now + DOUBT_S
+        return lost
 
     def restart_sequences(self) -> None:
         """This daemon (re)subscribed: what was sent while it was away is not a loss

@@ -422,7 +422,7 @@ def test_gaps_in_an_agent_s_numbers_are_counted_as_lost_and_settle_the_view() ->
     assert ingest.freshness.since(now) is not None
 
     def lost(topic: str) -> float | None:
-        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": topic})
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"kind": topic})
 
     def gpu(seq: int | None, node: str = "n", *, retained: bool = False) -> None:
         sample = wire.NodeGpu(ts=now, node=node, seq=seq)
@@ -440,12 +440,12 @@ def test_gaps_in_an_agent_s_numbers_are_counted_as_lost_and_settle_the_view() ->
         gpu(seq)
     relayed(1)
     relayed(2)  # the topics are numbered apart
-    assert (lost("gpu"), lost("iter")) == (0, 0)
+    assert (lost("gpu"), lost("node_iter")) == (0, 0)
     assert ingest.freshness.since(now) is not None
     gpu(7)  # 4, 5 and 6 were dropped on the way
     assert lost("gpu") == 3 and ingest.freshness.since(now) is None
     relayed(4)
-    assert (lost("gpu"), lost("iter")) == (3, 1)
+    assert (lost("gpu"), lost("node_iter")) == (3, 1)
     gpu(1)  # the agent restarted
     gpu(None)  # an agent that does not number
     gpu(2)
@@ -456,16 +456,14 @@ def test_gaps_in_an_agent_s_numbers_are_counted_as_lost_and_settle_the_view() ->
     view.restart_sequences()  # this daemon reconnected
     gpu(60)
     gpu(61, node="m")
-    assert (lost("gpu"), lost("iter")) == (3, 1)
+    assert (lost("gpu"), lost("node_iter")) == (3, 1)
 
     shared, _, shared_metrics, _ = make_ingest()
     shared._mqtt = config.MqttConfig(shared_group="heads")
     for seq in (1, 5):  # each head of a shared group reads some of them
         sample = wire.NodeGpu(ts=now, node="n", seq=seq)
         shared.handle(wire.node_topic("n", "gpu"), wire.encode(sample))
-    assert (
-        shared_metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"}) == 0
-    )
+    assert shared_metrics.registry.get_sample_value("tmd_messages_lost_total", {"kind": "gpu"}) == 0
 
 
 def test_numbers_that_make_no_sense_neither_count_as_lost_nor_keep_the_view_settling() -> None:
@@ -483,7 +481,7 @@ def test_numbers_that_make_no_sense_neither_count_as_lost_nor_keep_the_view_sett
         ingest.handle(wire.node_topic(node, "gpu"), wire.encode(sample))
 
     def lost() -> float | None:
-        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"})
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"kind": "gpu"})
 
     for seq in (1, 2):  # the first makes the node, the second is its count's start
         gpu("a", seq)
@@ -518,7 +516,7 @@ def test_what_counts_as_lost_at_the_edges() -> None:
         ingest.handle(wire.node_topic(node, "gpu"), json.dumps(sample).encode())
 
     def lost() -> float | None:
-        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"topic": "gpu"})
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"kind": "gpu"})
 
     send("new", 1, t)
     send("new", 5, t + 0.1)  # the node's first message was its count's start
@@ -537,3 +535,36 @@ def test_what_counts_as_lost_at_the_edges() -> None:
     send("ahead", 1, t)
     send("ahead", 9 * 10**12, 1e11)  # "sent" in the year 5138: as if a minute from now
     assert lost() == 44
+
+
+def test_what_a_rank_publishes_itself_is_numbered_per_run_and_generation() -> None:
+    """A rank's own batches: a gap counts and settles the view; a new generation (a
+    switch: the joiner's count, while the leaver's last batches may still come) or run
+    starts the count over; a batch refused at the view still came."""
+    ingest, _, metrics, _ = make_ingest()
+    clock = ingest._clock
+    ingest.freshness.connection(True, clock.now() - 10)
+    for t in range(10, -1, -1):
+        ingest.freshness.answered(clock.now() - t, clock.now() - t)
+    t0 = clock.now()
+
+    def batch(seq: int, step: int, *, generation: int = 0, run: int = 0, rank: int = 1) -> None:
+        b = wire.IterBatch(ts=t0 + step, job="j", rank=rank, node="n", generation=generation,
+                           run=run, seq=seq,
+                           steps=[wire.StepTiming(step, t0 + step, 1, 1, 0, 0, 0)])  # fmt: skip
+        ingest.handle(wire.iter_topic("j", rank), wire.encode(b))
+
+    def lost() -> float | None:
+        return metrics.registry.get_sample_value("tmd_messages_lost_total", {"kind": "iter"})
+
+    for seq in (1, 2, 3):
+        batch(seq, seq)
+    assert lost() == 0 and ingest.freshness.since(clock.now()) is not None
+    batch(6, 6)  # 4 and 5 dropped
+    assert lost() == 2 and ingest.freshness.since(clock.now()) is None
+    batch(1, 7, generation=1)  # the joiner, after a switch
+    batch(7, 7)  # the leaver's last, late
+    batch(2, 8, generation=1)
+    batch(1, 9, run=1)  # the job restarted
+    batch(2, 10, run=1, rank=1 << 20)  # refused: out of the job's ranks
+    assert lost() == 2

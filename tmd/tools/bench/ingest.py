@@ -259,7 +259,7 @@ async def _measure(
             "messages_per_s": round(messages / result.elapsed_s, 1),
             "loss": round(max(0, result.rank_steps - in_view) / max(1, result.rank_steps), 6),
             "rejected": rejected,
-            # Agents' messages the daemon knows it lost (gaps in their numbers): what the
+            # Telemetry the daemon knows it lost (gaps in their numbers): what the
             # broker dropped for it, which also held its findings of absence.
             "messages_lost": daemon.health()["messages_lost"],
             "p50_latency_s": _round(percentile(latencies, 0.50)),
