@@ -232,6 +232,7 @@ class _Sender:
         self.gpu_topics = [wire.node_topic(name, "gpu") for name in self.node_names]
         self.node_iter_topics = [wire.node_topic(name, "iter") for name in self.node_names]
         self.gpu_seq = [0] * self.nodes  # each node's last sequence number, by topic
+        self.rank_seq = [0] * n
         self.iter_seq = [0] * self.nodes
         # The usual nodes, each of their ranks one step due, as vectors (``_due_columns``).
         self.np_rng = np.random.default_rng(spec.seed)
@@ -258,8 +259,14 @@ class _Sender:
             now = time.time()
             steps = [wire.StepTiming(*row) for row in self._rows_done(r, now)]
             if steps:
+                self.rank_seq[r] += 1  # numbered as the runtime numbers what it publishes
                 batch = wire.IterBatch(
-                    ts=now, job=spec.job, rank=r, node=self.members[r].node, steps=steps
+                    ts=now,
+                    job=spec.job,
+                    rank=r,
+                    node=self.members[r].node,
+                    steps=steps,
+                    seq=self.rank_seq[r],
                 )
                 self.client.publish(self.iter_topics[r], wire.encode(batch), qos=0)
                 out.messages += 1
