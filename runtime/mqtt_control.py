@@ -59,6 +59,7 @@ class MqttControl:
         self._max_age_s = max_age.total_seconds()
         self.published = 0
         self._seq: dict[tuple[str, int | None, int], int] = {}  # the telemetry's numbers
+        self._seq_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[wire.Control] = queue.SimpleQueue()
         self._stopped = False
         self._last: paho.MQTTMessageInfo | None = None
@@ -217,15 +218,24 @@ class MqttControl:
 
     def publish(self, topic: str, payload: bytes) -> None:
         """Publish a batch (an encoded ``IterBatch``), numbered on its topic for its run
-        and generation (``tmd.wire``): only what paho took to send counts."""
-        batch = wire.decode(payload, wire.IterBatch)
+        and generation (``tmd.wire``): only what paho took to send counts. One at a
+        time (the telemetry thread flushes, and so does the training thread at a
+        switch), so the numbers go out in order. A payload that is not a valid batch
+        goes as it is: the daemon counts it rejected."""
+        try:
+            batch = wire.decode(payload, wire.IterBatch)
+        except ProtocolError:
+            self._client.publish(topic, payload, qos=0)
+            self.published += 1
+            return
         key = (topic, batch.run, batch.generation)
-        seq = self._seq.get(key, 0) + 1
-        numbered = wire.encode(msgspec.structs.replace(batch, seq=seq))
-        if self._client.publish(topic, numbered, qos=0).rc == paho.MQTT_ERR_SUCCESS:
-            if len(self._seq) >= _MAX_NUMBERED and key not in self._seq:
-                self._seq.clear()  # a rank's topic once per generation: never this many
-            self._seq[key] = seq
+        with self._seq_lock:
+            seq = self._seq.get(key, 0) + 1
+            numbered = wire.encode(msgspec.structs.replace(batch, seq=seq))
+            if self._client.publish(topic, numbered, qos=0).rc == paho.MQTT_ERR_SUCCESS:
+                if len(self._seq) >= _MAX_NUMBERED and key not in self._seq:
+                    self._seq.clear()  # a rank's topic once a generation: never this many
+                self._seq[key] = seq
         self.published += 1
 
 

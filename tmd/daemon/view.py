@@ -454,9 +454,13 @@ class ClusterView:
 
     def restart_sequences(self) -> None:
         """This daemon (re)subscribed: what was sent while it was away is not a loss
-        on the way to it. Each topic's count starts over from its next message."""
+        on the way to it. Each topic's count starts over from its next message, the
+        agents' and the ranks'."""
         for view in self.nodes.values():
             view.seq.clear()
+        for job in self.jobs.values():
+            for state in job.ranks.values():
+                state.seq = None
 
     def apply_xid(self, event: wire.XidEvent, now: float) -> None:
         self._node(event.node, now).xids.append(event)

@@ -565,6 +565,13 @@ def test_what_a_rank_publishes_itself_is_numbered_per_run_and_generation() -> No
     batch(1, 7, generation=1)  # the joiner, after a switch
     batch(7, 7)  # the leaver's last, late
     batch(2, 8, generation=1)
-    batch(1, 9, run=1)  # the job restarted
-    batch(2, 10, run=1, rank=1 << 20)  # refused: out of the job's ranks
+    assert lost() == 2
+    batch(40, 9, run=1)  # the job restarted: counted apart from run 0's 7
+    refused = {"v": 1, "ts": t0 + 10, "job": "j", "rank": 1, "node": "n", "run": 1,
+               "seq": 41, "steps": [[10, t0 + 10, -1.0, 1, 0, 0, 0]]}  # fmt: skip
+    ingest.handle(wire.iter_topic("j", 1), json.dumps(refused).encode())  # a negative time
+    batch(42, 11, run=1)  # the refused one came all the same
+    assert lost() == 2 and metrics.rejected_by["value"].value == 1
+    ingest._view.restart_sequences()  # this daemon reconnected: what it missed is its own
+    batch(90, 12, run=1)
     assert lost() == 2
