@@ -417,12 +417,18 @@ class ClusterView:
         name, or a forged number): that node's gaps are then not judged for
         ``DOUBT_S``, so no one agent keeps the whole view settling. Its first message
         makes the node (``limit`` past ``max_nodes``)."""
-        view = self._node(node, now)
+        view = self.nodes.get(node)
+        if view is None:
+            view = self._node(node, now)
         if now < view.seq_doubted_until:
             return 0
-        ts = min(ts, now + MAX_AHEAD_S)
-        last, last_ts = view.seq.get(topic, _NO_SEQ)
-        view.seq[topic] = (seq, ts)
+        if ts > now + MAX_AHEAD_S:
+            ts = now + MAX_AHEAD_S
+        seqs = view.seq
+        last, last_ts = seqs.get(topic, _NO_SEQ)
+        seqs[topic] = (seq, ts)
+        if seq == last + 1:
+            return 0  # the usual message
         lost = missing(last, last_ts, seq, ts)
         if lost is None:
             view.seq.clear()
@@ -441,10 +447,11 @@ class ClusterView:
         state = j.ranks.get(rank) if j is not None else None
         if state is None or now < state.seq_doubted_until:
             return 0
-        ts = min(ts, now + MAX_AHEAD_S)
+        if ts > now + MAX_AHEAD_S:
+            ts = now + MAX_AHEAD_S
         last = state.seq
         state.seq = (seq, ts, run, generation)
-        if last is None or last[2] != run or last[3] != generation:
+        if last is None or last[2] != run or last[3] != generation or seq == last[0] + 1:
             return 0
         lost = missing(last[0], last[1], seq, ts)
         if lost is None:
