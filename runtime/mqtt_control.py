@@ -115,6 +115,10 @@ class MqttControl:
                 self._refused.append(str(reason))  # credentials or ACL: no retry can help
                 self._connected.set()
             return
+        with self._seq_lock:
+            # What went into the connection that died is this process's loss, not one on
+            # the way to the daemon: the numbers start over (the daemon sees a restart).
+            self._seq.clear()
         client.subscribe(
             [(wire.job_topic(self.job, "ctl"), 1), (wire.job_topic(self.job, "status"), 1)]
         )

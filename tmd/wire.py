@@ -11,7 +11,8 @@ names are single topic segments.
 Sequence numbers (``seq``): an agent numbers what it sends on each of its telemetry
 topics (``gpu``, ``iter``) 1, 2, 3..., counting only what it handed to the broker; a
 restarted agent starts over at 1; so does a rank process on its own ``iter`` topic,
-counted apart for each run and generation (a switch brings in another process). MQTT
+counted apart for each run and generation (a switch brings in another process), and
+after each reconnect (what its dead connection held was lost before the broker). MQTT
 keeps one publisher's messages on a topic in order, so a receiver that reads ``n``
 after ``m < n - 1`` knows ``n - m - 1`` were lost on the way (a broker drops what a
 subscriber that lags cannot take), and one that reads ``n <= m`` knows the sender

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import paho.mqtt.client as paho
 
@@ -23,6 +24,9 @@ class _Client:
     connected: bool = True
     sent: list[tuple[str, bytes]] = field(default_factory=list)
 
+    def subscribe(self, topics: object) -> None:
+        pass
+
     def publish(self, topic: str, payload: bytes, qos: int = 0) -> _Info:
         if not self.connected:
             return _Info(paho.MQTT_ERR_NO_CONN)
@@ -34,6 +38,7 @@ def sink(client: _Client) -> MqttControl:
     control = MqttControl.__new__(MqttControl)  # the sink alone: no broker, no store
     control._client = client  # type: ignore[assignment]
     control._seq, control._seq_lock, control.published = {}, threading.Lock(), 0
+    control.job = "j"
     return control
 
 
@@ -65,3 +70,16 @@ def test_each_topic_run_and_generation_is_numbered_apart_and_only_what_was_sent(
         (wire.iter_topic("j", 1), 1),
     ]  # fmt: skip
     assert client.sent[-1] == (topic, b"not a batch") and control.published == 8
+
+
+def test_a_reconnect_starts_the_numbers_over() -> None:
+    """What paho held for a connection that died is this process's loss: the daemon
+    should see a restart, not a gap."""
+    client = _Client()
+    control = sink(client)
+    topic = wire.iter_topic("j", 0)
+    for step in range(1, 40):
+        control.publish(topic, batch(step))
+    control._on_connect(client, None, None, SimpleNamespace(is_failure=False), None)  # type: ignore[arg-type]
+    control.publish(topic, batch(40))
+    assert wire.decode(client.sent[-1][1], wire.IterBatch).seq == 1
