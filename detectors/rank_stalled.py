@@ -6,7 +6,8 @@ telemetry path, its process or its machine. Reported once per stall; a rank that
 reports again re-arms. A job whose ranks all stop is not a rank stall. Reads the
 cluster view on each tick (O(ranks) a second), not every telemetry message, and only
 while the daemon's view is trusted (``tmd.daemon.freshness``), counting silences from
-when it became current.
+when it became current, or from when what the job's ranks published themselves was
+last found lost on the way (``JobView.lost_at``: that job's view settles anew).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class RankStalledDetector(Detector):
 
     def _check(self, name: str, job: JobView, now: float, since: float) -> Iterator[events.Event]:
         cfg = self.config
+        if now - job.lost_at < self.context.view.freshness.settle_s:
+            return  # what its ranks published was lost on the way: settling
+        since = max(since, job.lost_at)  # silences count from the loss
         if not job.ranks or now - max(job.last_seen, since) > cfg.stall_after_s:
             return  # nobody is stepping: a job stall, not a rank stall
         front = max(r.last_step for r in job.ranks.values())

@@ -273,8 +273,9 @@ class Ingest:
         the ``kind`` topic of ``owner`` (a machine; a job where ``rank``): those its
         sender numbered before it and that never came were lost on the way here (a
         broker drops what a subscriber that lags cannot take), so the view is whole
-        again only from now (``Freshness.lost``). Not judged under a shared
-        subscription, where each head reads some of them."""
+        again only from now (``Freshness.lost``; a rank's loss, its job's view only:
+        ``JobView.lost_at``). Not judged under a shared subscription, where each head
+        reads some of them."""
         if self._mqtt.shared_group:
             return
         view = self._view
@@ -294,6 +295,8 @@ class Ingest:
         if not lost:
             return
         self._metrics.lost_by[kind].inc(lost)
+        if rank is not None:
+            return  # its job's alone (``ClusterView.rank_gap``): the view stays trusted
         if self.freshness.lost(now):
             self._log.warning(
                 "messages lost on the way to this daemon: no finding of absence until "

@@ -18,6 +18,7 @@ does not decide a migration that the actuator then holds for want of a standby.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class JobView:
     # machines a Restart asked the job to go on without, as its status says
     excluded: frozenset[str] = frozenset()
     ranks: dict[int, RankState] = field(default_factory=dict)
+    lost_at: float = -math.inf
+    """When (daemon time) what one of its ranks published itself was last found lost
+    on the way (``ClusterView.rank_gap``): its ranks' silences count from then."""
     cols: StepColumns | None = None
     """Its reporting ranks' recent steps, a column each (``RankState.col``); None
     until one reports."""
@@ -441,11 +445,12 @@ class ClusterView:
     ) -> int | None:  # fmt: skip
         """As ``gap``, for what a rank published itself on its own topic, counted apart
         for each run and generation (a switch brings in another process, and the
-        leaver's last batches may come after the joiner's first). 0 for a rank the view
-        does not hold."""
+        leaver's last batches may come after the joiner's first). A loss is its job's
+        alone (``JobView.lost_at``): one rank's flaky link must not hold every other
+        job's findings. 0 for a rank the view does not hold."""
         j = self.jobs.get(job)
         state = j.ranks.get(rank) if j is not None else None
-        if state is None or now < state.seq_doubted_until:
+        if j is None or state is None or now < state.seq_doubted_until:
             return 0
         if ts > now + MAX_AHEAD_S:
             ts = now + MAX_AHEAD_S
@@ -457,6 +462,8 @@ class ClusterView:
         if lost is None:
             state.seq = None
             state.seq_doubted_until = now + DOUBT_S
+        elif lost:
+            j.lost_at = now
         return lost
 
     def restart_sequences(self) -> None:

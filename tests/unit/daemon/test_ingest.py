@@ -538,9 +538,10 @@ def test_what_counts_as_lost_at_the_edges() -> None:
 
 
 def test_what_a_rank_publishes_itself_is_numbered_per_run_and_generation() -> None:
-    """A rank's own batches: a gap counts and settles the view; a new generation (a
-    switch: the joiner's count, while the leaver's last batches may still come) or run
-    starts the count over; a batch refused at the view still came."""
+    """A rank's own batches: a gap counts and settles its job's view, not the whole
+    view; a new generation (a switch: the joiner's count, while the leaver's last
+    batches may still come) or run starts the count over; a batch refused at decoding
+    still came."""
     ingest, _, metrics, _ = make_ingest()
     clock = ingest._clock
     ingest.freshness.connection(True, clock.now() - 10)
@@ -561,7 +562,8 @@ def test_what_a_rank_publishes_itself_is_numbered_per_run_and_generation() -> No
         batch(seq, seq)
     assert lost() == 0 and ingest.freshness.since(clock.now()) is not None
     batch(6, 6)  # 4 and 5 dropped
-    assert lost() == 2 and ingest.freshness.since(clock.now()) is None
+    assert lost() == 2 and ingest._view.jobs["j"].lost_at == clock.now()
+    assert ingest.freshness.since(clock.now()) is not None  # one job's loss, not all
     batch(1, 7, generation=1)  # the joiner, after a switch
     batch(7, 7)  # the leaver's last, late
     batch(2, 8, generation=1)

@@ -55,3 +55,27 @@ def test_whole_job_stop_is_not_a_rank_stall() -> None:
         for r in range(4):
             view.apply_iter(b(r, step), T0 + step)
     assert list(det.tick(T0 + 100)) == []
+
+
+def test_a_job_whose_ranks_messages_were_lost_on_the_way_settles_alone() -> None:
+    """What a job's ranks published themselves went missing on the way (gaps in their
+    numbers, ``JobView.lost_at``): its silences count from the loss, after the view's
+    settling; another job's do not wait."""
+    view, det = make()
+    view.freshness.settle_s = 5.0  # as a daemon's view settles
+
+    def other(rank: int, step: int) -> wire.IterBatch:
+        timing = wire.StepTiming(step, T0, 1, 0.6, 0.3, 0.05, 0.05)
+        return wire.IterBatch(ts=T0, job="k", rank=rank, node=f"m{rank}", steps=[timing])
+
+    found: list[tuple[str, int, int]] = []
+    for step in range(1, 41):
+        for r in range(4):
+            if r != 2 or step <= 10:
+                view.apply_iter(b(r, step), T0 + step)
+                view.apply_iter(other(r, step), T0 + step)
+        if step == 15:
+            view.jobs["j"].lost_at = T0 + step  # as ingest marks a gap in j's ranks
+        found += [(e.job, e.rank, step) for e in det.tick(T0 + step)]  # type: ignore[attr-defined]
+    # k's rank 2: silent past 10 s from step 10; j's: 10 s from the loss at 15.
+    assert found == [("k", 2, 21), ("j", 2, 26)]
