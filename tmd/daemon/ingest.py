@@ -279,9 +279,12 @@ class Ingest:
         if self._mqtt.shared_group:
             return
         view = self._view
+        job_lost_at = -math.inf
         if rank is None:
             lost = view.gap(owner, kind, message.seq, message.ts, now)
         else:
+            if (job := view.jobs.get(owner)) is not None:
+                job_lost_at = job.lost_at
             lost = view.rank_gap(owner, rank, message.run, message.generation,
                                  message.seq, message.ts, now)  # fmt: skip
         where = owner if rank is None else f"{owner} rank {rank}"
@@ -295,8 +298,14 @@ class Ingest:
         if not lost:
             return
         self._metrics.lost_by[kind].inc(lost)
-        if rank is not None:
-            return  # its job's alone (``ClusterView.rank_gap``): the view stays trusted
+        if rank is not None:  # its job's alone (``ClusterView.rank_gap``)
+            if now - job_lost_at >= self._config.stale_settle_s:  # once an episode
+                self._log.warning(
+                    "a rank's messages lost on the way to this daemon: no rank of its "
+                    "job found stalled until it settles",
+                    sender=where, lost=lost, settle_s=self._config.stale_settle_s,
+                )  # fmt: skip
+            return
         if self.freshness.lost(now):
             self._log.warning(
                 "messages lost on the way to this daemon: no finding of absence until "

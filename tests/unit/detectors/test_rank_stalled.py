@@ -79,3 +79,17 @@ def test_a_job_whose_ranks_messages_were_lost_on_the_way_settles_alone() -> None
         found += [(e.job, e.rank, step) for e in det.tick(T0 + step)]  # type: ignore[attr-defined]
     # k's rank 2: silent past 10 s from step 10; j's: 10 s from the loss at 15.
     assert found == [("k", 2, 21), ("j", 2, 26)]
+
+
+def test_a_job_settling_longer_than_a_stall_finds_nothing_meanwhile() -> None:
+    view, det = make()
+    view.freshness.settle_s = 15.0  # longer than stall_after_s (10)
+    found: list[int] = []
+    for step in range(1, 41):
+        for r in range(4):
+            if r != 2 or step <= 10:
+                view.apply_iter(b(r, step), T0 + step)
+        if step == 15:
+            view.jobs["j"].lost_at = T0 + step
+        found += [step for e in det.tick(T0 + step)]
+    assert found == [30]  # settled at 30, and silent 10 s from the loss by then
