@@ -50,6 +50,7 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 
 
 _NUMBERED: Final = frozenset({"gpu", "node_iter", "iter"})  # each topic numbered apart
+_NODE_NUMBERED: Final = frozenset({"gpu", "node_iter"})  # by the machine's agent
 
 
 class _SeqHeader(msgspec.Struct):
@@ -164,7 +165,7 @@ class Ingest:
         self, kind: str, owner: str, rank: int | None, message: Any, now: float, *, publish: bool
     ) -> None:
         view = self._view
-        if kind in _NUMBERED and message.seq is not None and publish and kind != "iter":
+        if kind in _NODE_NUMBERED and message.seq is not None and publish:
             # Arrived, whatever the checks below say of it: not a gap.
             self._numbered(owner, kind, None, message, now)
         if kind == "iter":

@@ -231,9 +231,10 @@ class _Sender:
         ]
         self.gpu_topics = [wire.node_topic(name, "gpu") for name in self.node_names]
         self.node_iter_topics = [wire.node_topic(name, "iter") for name in self.node_names]
-        self.gpu_seq = [0] * self.nodes  # each node's last sequence number, by topic
-        self.rank_seq = [0] * n
+        # The last sequence number sent on each topic: each node's two, each rank's.
+        self.gpu_seq = [0] * self.nodes
         self.iter_seq = [0] * self.nodes
+        self.rank_seq = [0] * n
         # The usual nodes, each of their ranks one step due, as vectors (``_due_columns``).
         self.np_rng = np.random.default_rng(spec.seed)
         self.next_step = np.ones(n, dtype=np.int64)  # each rank's next step to send
