@@ -20,11 +20,14 @@ online (serviced or rebooted); a degraded condition re-arms once it has been cle
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
+
+import msgspec
 
 from tmd import wire
 from tmd.daemon import events
@@ -119,6 +122,16 @@ class _Node:
     hot_samples: int = 0  # samples in ``window`` with a GPU throttled
     reads: dict[int, int] | None = None
     hot: dict[int, int] | None = None
+    # The last full sample (brief ones repeat it), its GPUs' indexes and their bit
+    # mask (-1: not yet worked out), and when a brief one last came.
+    last: wire.NodeGpu | None = None
+    indexes: list[int] = field(default_factory=list)
+    read_all: int = -1
+    briefed: float = -math.inf
+    # Whether a GPU of the last sample judged (``_judge``) was not the usual one:
+    # something fatal or pending, a cause reported or to re-arm, a counter rising
+    # (while False, no GPU is degraded, and a brief repeat would raise nothing).
+    busy: bool = False
 
     def add(self, now: float, hot: int, read: int) -> None:
         """A sample into the window (none where no GPU was read), and into the counts
@@ -205,8 +218,10 @@ class GpuHealthDetector(Detector):
         nodes = self.context.view.nodes
         self._offline = {n for n in self._offline if n in nodes}
         for name in list(self._nodes):
-            gpus = self._nodes[name].gpus
-            for index in [i for i, g in gpus.items() if g.last_seen < horizon]:
+            node = self._nodes[name]
+            gpus = node.gpus
+            briefed = node.indexes if node.briefed >= horizon else ()  # seen in brief
+            for index in [i for i, g in gpus.items() if g.last_seen < horizon and i not in briefed]:
                 del gpus[index]
             if not gpus or name not in nodes:
                 del self._nodes[name]
@@ -233,20 +248,59 @@ class GpuHealthDetector(Detector):
 
     # -- samples -------------------------------------------------------------------
 
-    def _sample(self, sample: wire.NodeGpu, now: float) -> Iterator[events.Event]:
-        cfg = self.config
+    def _sample(self, sample: wire.NodeGpu, now: float) -> Iterable[events.Event]:
         name = sample.node
         node = self._nodes.get(name)
         if node is None:
             node = self._nodes[name] = _Node()
-        throttled = self._throttled(node, sample.gpus, now)
+        reasons = sample.reasons
+        if reasons is not None:
+            base = node.last
+            if base is None or base.rev != sample.rev or len(reasons) != len(node.indexes):
+                return ()  # its full sample never came here (``NodeGpu.repeats``)
+            throttled = self._throttled(node, reasons, now)
+            if not (throttled or node.busy):
+                node.briefed = now  # its GPUs seen (``tick``)
+                return ()  # the usual machine: every GPU would ``continue`` in ``_judge``
+            return self._brief(name, node, base, reasons, throttled, now)
+        node.last, indexes = sample, [g.index for g in sample.gpus]
+        if indexes != node.indexes:
+            node.indexes, node.read_all = indexes, -1
+        throttled = self._throttled(node, [g.clock_event_reasons for g in sample.gpus], now)
+        return self._judge(name, node, sample.gpus, throttled, now)
+
+    def _brief(
+        self,
+        name: str,
+        node: _Node,
+        base: wire.NodeGpu,
+        reasons: list[int | None],
+        throttled: int,
+        now: float,
+    ) -> Iterator[events.Event]:
+        """A brief sample of a machine that is not the usual one: the full one
+        ``base``'s GPUs, each with its clock event reasons now, judged as ``base``
+        with these reasons would be."""
+        replace = msgspec.structs.replace
+        again = [replace(g, clock_event_reasons=r) for g, r in zip(base.gpus, reasons, strict=True)]
+        return self._judge(name, node, again, throttled, now)
+
+    def _judge(
+        self, name: str, node: _Node, samples: list[wire.GpuSample], throttled: int, now: float
+    ) -> Iterator[events.Event]:
+        """Each GPU of a sample of machine ``name``; ``throttled``: those throttled
+        for most of the window, as a bit mask by index."""
+        cfg = self.config
         gpus = node.gpus
-        for g in sample.gpus:
+        node.busy = False
+        for g in samples:
             index = g.index
             gpu = gpus.get(index)
             if gpu is None:
                 gpu = gpus[index] = _Gpu(g.nvlink_replay, g.pcie_replay, now)
             gpu.last_seen = now
+            if g.ecc_dbe_volatile or g.remap_failure or g.recovery_action:
+                node.busy = True  # a brief repeat must say it again
             if g.ecc_dbe_volatile:
                 yield from self._report(
                     True,
@@ -283,6 +337,7 @@ class GpuHealthDetector(Detector):
                 gpu.degraded or pending_remap or pending_retire or throttling or nvlink or pcie
             ):
                 continue  # the common case: a healthy GPU with nothing to re-arm
+            node.busy = True
             conditions = {
                 "pending row remap": pending_remap,
                 "pending page retirement": pending_retire,
@@ -300,20 +355,25 @@ class GpuHealthDetector(Detector):
                 elif gpu.degraded and cause in gpu.degraded and self._rearmed(key, now):
                     gpu.degraded.discard(cause)
 
-    def _throttled(self, node: _Node, gpus: list[wire.GpuSample], now: float) -> int:
-        """The GPUs of this sample throttled for most samples of a window that is
+    def _throttled(self, node: _Node, reasons: list[int | None], now: float) -> int:
+        """The GPUs of this sample (``reasons``: their clock event reasons, in the
+        order of ``node.indexes``) throttled for most samples of a window that is
         (nearly) full, as a bit mask by index. A GPU that could not read its clock event
         reasons is neither throttled nor counted. O(1) a sample while none of the
         window's samples has a GPU throttled; O(GPUs) while one has."""
         cfg = self.config
-        mask = cfg.throttle_mask
-        hot = read = 0
-        for g in gpus:
-            reasons = g.clock_event_reasons
-            if reasons is not None:
-                read |= 1 << g.index
-                if reasons & mask:
-                    hot |= 1 << g.index
+        if reasons.count(0) == len(reasons):  # the usual sample: each read, none set
+            hot, read = 0, node.read_all
+            if read < 0:
+                read = node.read_all = sum(1 << i for i in node.indexes)
+        else:
+            mask = cfg.throttle_mask
+            hot = read = 0
+            for index, r in zip(node.indexes, reasons, strict=True):
+                if r is not None:
+                    read |= 1 << index
+                    if r & mask:
+                        hot |= 1 << index
         node.add(now, hot, read)
         node.prune(now - cfg.throttle_window_s)
         if node.reads is None or node.hot is None:

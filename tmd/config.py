@@ -236,8 +236,18 @@ class AgentConfig:
     # ``gpu`` topic: one message per machine per tick. Only once every daemon and the
     # broker's ACL know ``tmd/v1/node/{node}/iter``: the sample is the heartbeat.
     relay_sample: bool = False
+    # A sample in full at least this often, and whenever a GPU's counters or flags
+    # change; in between a brief one: each GPU's clock event reasons only, the rest
+    # as in the last full one (``wire.BriefSamples``). 0: every sample in full. Only
+    # once every daemon knows briefs: an older one judges the GPUs on the full ones.
+    full_sample_every_s: float = 10.0
 
     def validate(self) -> None:
+        _check(
+            0 <= self.full_sample_every_s <= 3600,
+            "agent.full_sample_every_s",
+            "must be in 0..3600 (0: every sample in full)",
+        )
         if self.node:
             _check(
                 bool(_NODE_NAME.fullmatch(self.node)),

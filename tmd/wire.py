@@ -24,7 +24,9 @@ loss all the same.
 
 from __future__ import annotations
 
+import math
 import socket
+import time
 from collections.abc import Collection, Iterable, Iterator
 from typing import Annotated, Any, Final, Literal
 
@@ -114,19 +116,115 @@ class GpuSample(msgspec.Struct, kw_only=True, frozen=True):
     recovery_action: Count | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 
 
+BRIEF_FIELDS: Final = frozenset(
+    {"index", "clock_event_reasons", "temp_c", "power_w", "util_pct", "mem_used_mb"}
+)
+"""What a brief sample does not repeat from its full one: the GPU's clock event reasons
+(sent), and the readings no detector judges (not sent). Every other field is a
+counter or a flag that stays put on a healthy GPU."""
+
+
 class NodeGpu(Message, kw_only=True, frozen=True):
-    """``tmd/v1/node/{node}/gpu``, QoS 0: one sample of every GPU; doubles as heartbeat."""
+    """``tmd/v1/node/{node}/gpu``, QoS 0: one sample of every GPU; doubles as heartbeat.
+
+    Full or brief (``BriefSamples``): a brief sample sends no ``gpus`` but each GPU's
+    clock event reasons (``reasons``), and says that every GPU's counters and flags
+    read as in the full sample of the same ``rev``. A receiver that does not hold that
+    one takes it as a heartbeat; a daemon from before briefs reads it as a sample of
+    no GPUs, and judges the GPUs on the full samples, one every few seconds."""
 
     node: Name
     gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] = []
     seq: Count | None = None
     """The agent's sequence number on this topic (see the module's docstring); None
     inside a ``NodeIter``, and from agents that do not number their samples."""
+    rev: Count | None = None
+    """Which reading of the GPUs' counters and flags a full sample carries (the agent
+    numbers them as they change), or a brief one repeats; None from agents that send
+    every sample in full."""
+    reasons: Annotated[list[Count | None], msgspec.Meta(max_length=MAX_GPUS_PER_NODE)] | None = None
+    """Set on a brief sample only: each GPU's clock event reasons, in the order of the
+    full sample's ``gpus``."""
+
+    @property
+    def brief(self) -> bool:
+        return self.reasons is not None
 
     def check(self) -> None:
-        """ProtocolError ``schema`` where a GPU's index comes twice: one sample each."""
-        if len({g.index for g in self.gpus}) != len(self.gpus):
+        """ProtocolError ``schema`` where a GPU's index comes twice (one sample each),
+        or a brief sample carries GPUs or no ``rev``."""
+        if self.reasons is not None:
+            if self.gpus or self.rev is None:
+                raise ProtocolError("schema", "a brief GPU sample carries no gpus, and a rev")
+        elif len({g.index for g in self.gpus}) != len(self.gpus):
             raise ProtocolError("schema", "a GPU index comes twice in one sample")
+
+    def repeats(self, full: NodeGpu | None) -> bool:
+        """Whether this brief sample repeats ``full`` (the last full one its receiver
+        holds from the node): the same ``rev``, and a reading for each of its GPUs."""
+        return (
+            full is not None
+            and full.rev == self.rev
+            and self.reasons is not None
+            and len(self.reasons) == len(full.gpus)
+        )
+
+
+class BriefSamples:
+    """How an agent abbreviates its samples (``agent.full_sample_every_s``): in full
+    when a GPU's counters or flags (all but ``BRIEF_FIELDS``) changed, for the next
+    ``repeat`` samples after (one dropped on the way does not hide a change until the
+    next full one), and every ``every_s`` seconds (a daemon that (re)starts or lost
+    one resolves briefs from then on); briefly otherwise. ``every_s`` 0: always full.
+    A change takes the next ``rev``; the first is taken from the clock, so a restarted
+    agent does not repeat its last life's numbers."""
+
+    def __init__(self, every_s: float, *, repeat: int = 2, phase_s: float = 0.0) -> None:
+        """``phase_s``: the first periodic full sample that much sooner (agents started
+        at once, as a simulated cluster's, spread theirs as agents started apart do)."""
+        self.every_s = every_s
+        self.repeat = repeat
+        self.rev = time.time_ns() // 1_000_000  # ms: below ``Count``'s bound for ages
+        self._key: tuple[Any, ...] | None = None
+        self._full_at = -math.inf
+        self._left = 0
+        self._phase_s = phase_s
+
+    def reset(self) -> None:
+        """The next samples in full under a new ``rev`` (a new connection: what was
+        sent before may not have gone, and briefs must not lean on it)."""
+        if self._key is not None:
+            self._key = None
+            self.rev += 1
+
+    @staticmethod
+    def key(gpus: list[GpuSample]) -> tuple[Any, ...]:
+        """What a brief sample repeats of ``gpus``: all but ``BRIEF_FIELDS``, and the
+        GPUs' indexes in order."""
+        return tuple(
+            (g.index, *(getattr(g, f) for f in g.__struct_fields__ if f not in BRIEF_FIELDS))
+            for g in gpus
+        )
+
+    def shape(self, sample: NodeGpu, now: float, *, key: tuple[Any, ...] | None = None) -> NodeGpu:
+        """``sample`` as it goes out: in full with its ``rev``, or brief. ``key``:
+        ``BriefSamples.key(sample.gpus)``, where the caller has it already."""
+        if self.every_s <= 0:
+            return sample
+        if key is None:
+            key = self.key(sample.gpus)
+        if key != self._key:
+            if self._key is not None:
+                self.rev += 1
+            self._key, self._left = key, self.repeat + 1
+        if self._left > 0 or now - self._full_at >= self.every_s:
+            self._left = max(0, self._left - 1)
+            self._full_at, self._phase_s = now - self._phase_s, 0.0
+            return msgspec.structs.replace(sample, rev=self.rev)
+        return NodeGpu(
+            ts=sample.ts, node=sample.node, seq=sample.seq, rev=self.rev,
+            reasons=[g.clock_event_reasons for g in sample.gpus],
+        )  # fmt: skip
 
 
 class XidEvent(Message, kw_only=True, frozen=True):

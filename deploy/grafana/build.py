@@ -421,7 +421,9 @@ def rows() -> list[tuple[str, list[Json]]]:
                 " reference): version (a sender newer than the daemon), rank, schema, json,"
                 " value, mismatch, limit (the view's caps), internal (a bug). And telemetry"
                 " lost on the way (gaps in its senders' sequence numbers: the broker"
-                " drops what a daemon that lags cannot take; TmdMessagesLost).",
+                " drops what a daemon that lags cannot take; TmdMessagesLost). And brief"
+                " GPU samples whose full one never came (taken as heartbeats until the"
+                " next full one, agent.full_sample_every_s).",
                 _target(
                     f"sum by (reason) (rate(tmd_messages_rejected_total{{{SEL}}}[{RATE}]))",
                     "{{reason}}",
@@ -429,6 +431,10 @@ def rows() -> list[tuple[str, list[Json]]]:
                 _target(
                     f"sum by (kind) (rate(tmd_messages_lost_total{{{SEL}}}[{RATE}]))",
                     "lost: {{kind}}",
+                ),
+                _target(
+                    f'sum (rate(tmd_gpu_samples_total{{{SEL}, form="unresolved"}}[{RATE}]))',
+                    "GPU samples unresolved",
                 ),
                 unit="count:msg/s",
                 thresholds=[("green", None), ("red", 0.001)],

@@ -112,10 +112,13 @@ async def test_status_and_samples_arrive_and_decode(broker: Mosquitto) -> None:
         status = watch.of("status")[0]
         assert (status.state, status.role, len(status.gpus)) == ("online", "worker", 2)
         assert status.gpus[1].uuid == "GPU-fake-0001" and "570.86.15" in status.agent
-        sample = watch.of("gpu")[-1]
+        sample = watch.of("gpu")[0]
         assert sample.node == node and [g.index for g in sample.gpus] == [0, 1]
         assert [s.seq for s in watch.of("gpu")[:3]] == [1, 2, 3]  # numbered (tmd.wire)
         assert sample.gpus[0].temp_c == 41.0 and sample.gpus[0].remap_failure is False
+        # Nothing changes: after the first few in full, brief ones that repeat them.
+        brief = await eventually(lambda: next((s for s in watch.of("gpu") if s.brief), None))
+        assert brief.repeats(sample) and brief.reasons == [0, 0]
     # Stopped cleanly (the SIGTERM path): the retained status says offline.
     assert (await retained_status(broker, node)).state == "offline"
 
@@ -133,8 +136,8 @@ async def test_faults_mid_run_show_in_samples_and_xid_79_arrives(broker: Mosquit
         assert (xid.node, xid.gpu, xid.xid) == (node, 3, 79)
 
         def faulty() -> list[wire.GpuSample] | None:
-            gpus = watch.of("gpu")[-1].gpus
-            return gpus if gpus[3].temp_c is None else None
+            full = [s for s in watch.of("gpu") if not s.brief]  # sent when a counter moves
+            return full[-1].gpus if full[-1].gpus[3].temp_c is None else None
 
         gpus = await eventually(faulty)
         assert gpus[0].ecc_dbe_volatile == 1 and gpus[0].ecc_dbe_aggregate == 1
@@ -144,7 +147,9 @@ async def test_faults_mid_run_show_in_samples_and_xid_79_arrives(broker: Mosquit
         # Sustained throttling stays in every later sample.
         n = len(watch.of("gpu"))
         await eventually(lambda: len(watch.of("gpu")) >= n + 3)
-        assert all(s.gpus[2].clock_event_reasons for s in watch.of("gpu")[n:])
+        assert all(
+            s.reasons[2] if s.brief else s.gpus[2].clock_event_reasons for s in watch.of("gpu")[n:]
+        )
 
 
 async def test_a_hung_gpu_stops_samples_without_stacking_threads(broker: Mosquitto) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -209,3 +210,58 @@ def test_relayed_batches_as_columns_give_back_the_batches() -> None:
     assert err.value.reason == "schema"
     with pytest.raises(ProtocolError, match="lengths"):
         msgspec.structs.replace(a, ts=a.ts[:-1]).check()
+
+
+def _gpus(**fields: Any) -> list[wire.GpuSample]:
+    return [wire.GpuSample(index=i, temp_c=50.0 + i, clock_event_reasons=0, ecc_sbe_volatile=0,
+                           **fields) for i in range(2)]  # fmt: skip
+
+
+def test_brief_samples_in_full_first_on_change_and_every_period() -> None:
+    """An agent's samples: in full (numbered ``rev``) first, when a counter or flag
+    changes and for the next ``repeat`` after, and every ``every_s``; brief between,
+    each GPU's clock event reasons alone; temperatures change without a full one."""
+    briefs = wire.BriefSamples(10.0, repeat=1)
+    shaped = []
+    for t in range(26):
+        sbe = 0 if t < 14 else 3  # a single-bit count rises at t=14
+        gpus = [wire.GpuSample(index=i, temp_c=50.0 + t, clock_event_reasons=t % 2 * 0x40,
+                               ecc_sbe_volatile=sbe) for i in range(2)]  # fmt: skip
+        shaped.append(briefs.shape(wire.NodeGpu(ts=TS + t, node="n", gpus=gpus, seq=t), TS + t))
+    full = [t for t, s in enumerate(shaped) if not s.brief]
+    assert full == [0, 1, 11, 14, 15, 25]  # a period after the last full one
+    revs = {s.rev for s in shaped[:14]}
+    assert len(revs) == 1 and shaped[14].rev == shaped[13].rev + 1  # the change, a new rev
+    brief = shaped[3]
+    assert brief.gpus == [] and brief.reasons == [0x40, 0x40] and brief.seq == 3
+    assert brief.repeats(shaped[1]) and not brief.repeats(shaped[14])
+    assert shaped[16].repeats(shaped[15]) and not shaped[16].repeats(None)
+    wire.decode(wire.encode(brief), wire.NodeGpu).check()
+
+
+def test_brief_samples_start_over_on_reset_and_never_when_off() -> None:
+    briefs = wire.BriefSamples(10.0, repeat=0)
+    sample = wire.NodeGpu(ts=TS, node="n", gpus=_gpus())
+    first, second = briefs.shape(sample, 0.0), briefs.shape(sample, 1.0)
+    briefs.reset()  # a new connection: a full one under a new rev, briefs after it
+    third, fourth = briefs.shape(sample, 2.0), briefs.shape(sample, 3.0)
+    assert [s.brief for s in (first, second, third, fourth)] == [False, True, False, True]
+    assert third.rev == first.rev + 1 and not fourth.repeats(first) and fourth.repeats(third)
+    # A restarted agent numbers on from its clock, not from where its last life began.
+    assert wire.BriefSamples(10.0).rev >= first.rev
+    off = wire.BriefSamples(0.0)
+    assert all(off.shape(sample, t) is sample for t in range(3))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        wire.NodeGpu(ts=TS, node="n", gpus=_gpus(), rev=3, reasons=[0, 0]),  # gpus and reasons
+        wire.NodeGpu(ts=TS, node="n", reasons=[0, 0]),  # brief without a rev
+    ],
+)
+def test_a_malformed_brief_sample_is_a_schema_error(message: wire.NodeGpu) -> None:
+    decoded = wire.decode(wire.encode(message), wire.NodeGpu)
+    with pytest.raises(ProtocolError) as err:
+        decoded.check()
+    assert err.value.reason == "schema"

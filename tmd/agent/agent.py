@@ -8,6 +8,8 @@ loop, and the agent's systemd contract. What it publishes (DESIGN.md, ``tmd.wire
   (SIGTERM) publishes that itself, since a clean disconnect does not fire the Will.
 * ``tmd/v1/node/{node}/gpu``: QoS 0, one sample of every GPU each ``agent.interval_s``;
   the daemon also reads it as the heartbeat. A sample that cannot be sent is dropped.
+  In full when a GPU's counters or flags change and every ``agent.full_sample_every_s``,
+  brief in between (``wire.BriefSamples``).
 * ``tmd/v1/node/{node}/xid``: QoS 1, each XID as the driver reports it; held while
   the broker is away (at most ``_MAX_PENDING_XIDS``) and sent after reconnecting.
 
@@ -78,6 +80,7 @@ class Agent:
         # The sequence number last sent on each telemetry topic (``tmd.wire``): a gap
         # tells the daemon that the broker dropped some on the way to it.
         self._seq = {"gpu": 0, "iter": 0}
+        self._briefs = wire.BriefSamples(self._config.full_sample_every_s)
         self._relay_due = False
         self._hung = False
         self._errors: dict[tuple[int, str], str] = {}
@@ -229,6 +232,7 @@ class Agent:
         # The Will's ts is when we connected; the daemon dates the loss by its arrival.
         will = aiomqtt.Will(status_topic, wire.encode(self.status("offline")), qos=1, retain=True)
         timeout = self._mqtt.connect_timeout_s
+        self._briefs.reset()  # what the last connection sent may not have arrived
         async with self._client(will=will) as client:
             try:
                 online = wire.encode(self.status("online"))
@@ -264,6 +268,8 @@ class Agent:
                 await client.publish(xid_topic, wire.encode(self._xids[0]), qos=1, timeout=timeout)
                 self._xids.popleft()
             sample, self._latest = self._latest, None
+            if sample is not None:
+                sample = self._briefs.shape(sample, time.monotonic())
             if self._relay_due:
                 self._relay_due = False
                 if self.relay is not None and self.relay.pending:

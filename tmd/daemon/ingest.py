@@ -183,7 +183,7 @@ class Ingest:
             if kind == "node_status":
                 view.apply_node_status(message, now, live=publish)
             elif kind == "gpu":
-                view.apply_gpu(message, now)
+                self._metrics.samples_by[view.apply_gpu(message, now)].inc()
             else:
                 view.apply_xid(message, now)
         else:
@@ -239,7 +239,7 @@ class Ingest:
             relayed.check()
         view = self._view
         if message.gpu is not None:
-            view.apply_gpu(message.gpu, now)
+            self._metrics.samples_by[view.apply_gpu(message.gpu, now)].inc()
             if publish:
                 self._bus.publish(message.gpu)
         bus_wants = publish and self._bus.wants(wire.IterBatch)

@@ -116,6 +116,14 @@ class _IngestCollector(Collector):
                 "kind",
                 m.lost_by,
             ),
+            (
+                "tmd_gpu_samples",
+                "GPU samples applied, by form: full; brief (each GPU's clock event reasons,"
+                " its counters and flags as in the last full one); unresolved (brief, that"
+                " full one never came: a heartbeat only)",
+                "form",
+                m.samples_by,
+            ),
         ):
             family = CounterMetricFamily(name, doc, labels=[label])
             for key, tally in tallies.items():
@@ -254,6 +262,7 @@ class Metrics:
         self.rejected_by = {k: Tally() for k in REJECT_REASONS}
         self.steps_by = {k: Tally() for k in ("accepted", "duplicate", "late")}
         self.lost_by = {k: Tally() for k in ("gpu", "node_iter", "iter")}
+        self.samples_by = {k: Tally() for k in ("full", "brief", "unresolved")}
         self.latency = FastHistogram(LATENCY_BUCKETS)
         r.register(_IngestCollector(self))
         self.mqtt_connected = Gauge(

@@ -127,6 +127,7 @@ class NodeView:
     role: str = "worker"
     gpus: list[wire.GpuInfo] = field(default_factory=list)
     sample: wire.NodeGpu | None = None
+    """The last full sample (``wire.NodeGpu``): brief ones repeat it."""
     xids: deque[wire.XidEvent] = field(default_factory=lambda: deque(maxlen=32))
     last_seen: float = 0.0
     status_ts: float = 0.0
@@ -187,28 +188,12 @@ class ClusterView:
         it (``IterBatch``) or its machine's agent relayed it (``RelayedBatches``); what
         became of them added to ``into`` (a message's count of its batches), or to a
         new count, and returned."""
-        # Every check before anything is created: a rejected message takes no slot.
         job = self.jobs.get(job_name)
-        bound = self.max_ranks_per_job
-        if job is not None and job.world_size is not None:
-            bound = job.world_size
-        if rank >= bound:
-            raise ProtocolError("rank", f"rank {rank} out of range for job {job_name} (< {bound})")
         state = job.ranks.get(rank) if job is not None else None
-        # A new rank costs nothing where the job's status already listed as many members.
-        grows = state is None and (job is None or len(job.ranks) >= len(job.members))
-        if grows and self.held_ranks >= self.max_ranks:
-            raise _too_many_ranks(self.max_ranks)
-        if job is None:
-            job = self._job(job_name, now)
         if state is None:
-            if job.cols is None:
-                # Made at their size: a copy into a new array would touch it all (numpy
-                # asks for huge pages, so writing a row's first columns fills 2 MB).
-                job.cols = StepColumns(self.window_steps, max(8, self._room(job, len(job.members))))
-            state = job.ranks[rank] = RankState(rank, node, job.cols)
-            self.total_ranks += 1
-            self._hold(job, _held(len(job.ranks), job))
+            state = self._new_rank(job, job_name, rank, node, now)
+            job = self.jobs[job_name]
+        assert job is not None
         if run is not None and run < state.run:
             # A batch of a run the job has left behind (delivered late, say after the
             # daemon reconnected): its timeline is gone, every step is late.
@@ -244,6 +229,32 @@ class ClusterView:
             add(out, *row)
         return out
 
+    def _new_rank(
+        self, job: JobView | None, job_name: str, rank: int, node: str, now: float
+    ) -> RankState:
+        """Rank ``rank`` of job ``job_name`` (``job``, None where the view has none
+        yet), new to the view, on ``node``. Every check before anything is made: a
+        rejected message takes no slot."""
+        bound = self.max_ranks_per_job
+        if job is not None and job.world_size is not None:
+            bound = job.world_size
+        if rank >= bound:
+            raise ProtocolError("rank", f"rank {rank} out of range for job {job_name} (< {bound})")
+        # A new rank costs nothing where the job's status already listed as many members.
+        grows = job is None or len(job.ranks) >= len(job.members)
+        if grows and self.held_ranks >= self.max_ranks:
+            raise _too_many_ranks(self.max_ranks)
+        if job is None:
+            job = self._job(job_name, now)
+        if job.cols is None:
+            # Made at their size: a copy into a new array would touch it all (numpy
+            # asks for huge pages, so writing a row's first columns fills 2 MB).
+            job.cols = StepColumns(self.window_steps, max(8, self._room(job, len(job.members))))
+        state = job.ranks[rank] = RankState(rank, node, job.cols)
+        self.total_ranks += 1
+        self._hold(job, _held(len(job.ranks), job))
+        return state
+
     def apply_relayed(
         self, relayed: wire.RelayedBatches, node: str, now: float, into: StepsApplied
     ) -> tuple[list[int], list[tuple[int, ProtocolError]]]:
@@ -278,6 +289,15 @@ class ClusterView:
                     refused.append((i, ProtocolError("mismatch", f"rank {rank} runs on {placed}")))
                     continue
                 state = job.ranks.get(rank)
+                if state is None and not run:
+                    # New (a cluster's first second brings every rank's first step):
+                    # as ``apply_steps`` makes it, where no new run has to be noted.
+                    try:
+                        state = self._new_rank(job, name, rank, node, now)
+                    except ProtocolError as exc:
+                        refused.append((i, exc))
+                        continue
+                    state.generation = generation
             if (
                 job is not None
                 and state is not None
@@ -407,12 +427,18 @@ class ClusterView:
         if status.gpus:
             node.gpus = list(status.gpus)
 
-    def apply_gpu(self, sample: wire.NodeGpu, now: float) -> None:
+    def apply_gpu(self, sample: wire.NodeGpu, now: float) -> str:
+        """A node's GPU sample; which it was: ``full``, ``brief`` (it repeats the last
+        full one held, ``sample``, which stays) or ``unresolved`` (a brief one whose
+        full one never came here: a heartbeat only)."""
         sample.check()
         node = self._node(sample.node, now)
-        node.sample = sample
         if node.state != "online":
             node.state = "online"  # a sample proves the agent is alive
+        if sample.reasons is None:
+            node.sample = sample
+            return "full"
+        return "brief" if sample.repeats(node.sample) else "unresolved"
 
     def gap(self, node: str, topic: str, seq: int, ts: float, now: float) -> int | None:
         """How many messages ``node``'s agent sent on ``topic`` before the one numbered

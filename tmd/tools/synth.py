@@ -42,6 +42,9 @@ class SynthSpec:
     # NodeIter per node per flush (issue 16); "direct": one IterBatch per rank.
     via: Literal["direct", "agent"] = "direct"
     relay_sample: bool = False  # via agent: the sample inside the NodeIter (agent.relay_sample)
+    # As agent.full_sample_every_s: the GPU sample in full this often (and first), brief
+    # in between (the healthy GPUs' counters never change); 0: every one in full.
+    full_sample_every_s: float = 10.0
     slow: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown (1.3 = +30%)
     seed: int = 0
 
@@ -244,6 +247,12 @@ class _Sender:
             if 0 <= r < n:
                 self.slowdown[r] = slow
         self.gpu_pool = [self._gpus() for _ in range(64)]
+        # Healthy, so one key (``wire.BriefSamples.key``) for all: their temperatures vary.
+        self.gpu_key = wire.BriefSamples.key(self.gpu_pool[0])
+        every = spec.full_sample_every_s
+        self.briefs = [
+            wire.BriefSamples(every, phase_s=every * i / self.nodes) for i in range(self.nodes)
+        ]
         self.sent_ranks = 0  # ranks published in the current flush period
         self.sent_nodes = 0
         self.period = 0
@@ -367,7 +376,8 @@ class _Sender:
         seq = None
         if alone:
             seq = self.gpu_seq[i] = self.gpu_seq[i] + 1
-        return wire.NodeGpu(ts=now, node=self.node_names[i], gpus=gpus, seq=seq)
+        sample = wire.NodeGpu(ts=now, node=self.node_names[i], gpus=gpus, seq=seq)
+        return self.briefs[i].shape(sample, now, key=self.gpu_key)
 
     def _due_columns(self, lo: int, hi: int, now: float) -> tuple[list[Any], ...] | None:
         """Ranks ``lo`` to ``hi`` and their step columns, as vectors, when each has

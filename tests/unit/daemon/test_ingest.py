@@ -139,6 +139,38 @@ def test_a_machine_s_relayed_batches_count_as_if_each_rank_had_published_them() 
     assert sorted(view.jobs["j"].ranks) == [0, 1] and view.jobs["j"].ranks[1].node == "n0"
 
 
+def test_brief_gpu_samples_repeat_the_full_one_held_and_are_counted_by_form() -> None:
+    """A brief sample, on its own topic or relayed, keeps the full one it repeats in
+    the view and goes on the bus; one whose full sample never came is a heartbeat
+    (the node seen), counted ``unresolved``; a malformed one is refused."""
+    ingest, view, metrics, bus = make_ingest()
+    seen = bus.subscribe("t", (wire.NodeGpu,))
+    t = time.time()
+    gpus = [wire.GpuSample(index=i, temp_c=60.0, clock_event_reasons=0) for i in range(2)]
+    full = wire.NodeGpu(ts=t, node="n0", gpus=gpus, rev=7)
+    brief = wire.NodeGpu(ts=t, node="n0", rev=7, reasons=[0, 0x40])
+    other = wire.NodeGpu(ts=t, node="n0", rev=8, reasons=[0, 0])
+    topic = wire.node_topic("n0", "gpu")
+    for message in (full, brief, other):
+        ingest.handle(topic, wire.encode(message))
+    iter_topic = wire.node_topic("n0", "iter")
+    members = [wire.Member(0, "n0", 0)]
+    status = wire.JobStatus(ts=t, job="j", generation=0, world_size=1, members=members)
+    ingest.handle(wire.job_topic("j", "status"), wire.encode(status))
+    step = wire.IterBatch(ts=t, job="j", rank=0, node="n0",
+                          steps=[wire.StepTiming(1, t, 1, 1, 0, 0, 0)])  # fmt: skip
+    relayed = wire.NodeIter(ts=t, node="n0", jobs=wire.RelayedBatches.of([step]), gpu=brief)
+    ingest.handle(iter_topic, wire.encode(relayed))
+    assert view.nodes["n0"].sample == full and view.nodes["n0"].state == "online"
+    assert [m.rev for m in seen._queue] == [7, 7, 8, 7]
+    sample = metrics.registry.get_sample_value
+    forms = {f: sample("tmd_gpu_samples_total", {"form": f}) for f in metrics.samples_by}
+    assert forms == {"full": 1, "brief": 2, "unresolved": 1}
+    bad = wire.NodeGpu(ts=t, node="n0", gpus=gpus, rev=7, reasons=[0, 0])
+    ingest.handle(topic, wire.encode(bad))
+    assert sample("tmd_messages_rejected_total", {"reason": "schema"}) == 1
+
+
 def test_cleared_retained_status_is_not_a_rejection() -> None:
     ingest, _, metrics, _ = make_ingest()
     ingest.handle(wire.job_topic("j", "status"), b"")

@@ -185,7 +185,8 @@ def test_one_throttle_window_per_machine_judges_each_gpu_as_its_own_window_would
             hot = sum(h for _, h in window)
             full = window[-1][0] - window[0][0] >= 0.8 * 20
             expected |= (full and hot >= 0.5 * len(window)) << i
-        got = det._throttled(node, gpus, t)
+        node.indexes, node.read_all = [g.index for g in gpus], -1
+        got = det._throttled(node, [g.clock_event_reasons for g in gpus], t)
         agreed += got == expected
         throttled += expected != 0
     assert agreed == 3000 and throttled > 100
@@ -220,3 +221,109 @@ def test_gpus_are_not_forgotten_within_their_windows() -> None:
     with pytest.raises(ConfigError) as err:
         make(forget_after_s=30, throttle_window_s=60)
     assert err.value.key == "detectors.gpu_health.forget_after_s"
+
+
+def _random_samples(seed: int, n: int) -> list[tuple[float, wire.NodeGpu]]:
+    """A machine of 4 GPUs over ``n`` samples with every condition gpu_health judges
+    coming and going: throttling (and the power cap, not judged), replay counters that
+    rise in bursts, pending flags, a volatile DBE, a recovery action, uneven intervals."""
+    import random
+
+    rng = random.Random(seed)
+    t = T0
+    state = [dict(nvlink_replay=0, pcie_replay=0, remap_pending=False, ecc_dbe_volatile=0,
+                  retired_pages_pending=False, recovery_action=0) for _ in range(4)]  # fmt: skip
+    hot = [0.0] * 4
+    out = []
+    for _ in range(n):
+        t += rng.choice([0.5, 1.0, 1.0, 1.0, 3.0])
+        for i, s in enumerate(state):
+            if rng.random() < 0.01:
+                hot[i] = rng.choice([0.0, 0.0, 0.6, 1.0])
+            if rng.random() < 0.02:
+                s["nvlink_replay"] += rng.choice([1, 50, 5000])
+            if rng.random() < 0.005:
+                s["remap_pending"] = not s["remap_pending"]
+            if rng.random() < 0.003:
+                s["retired_pages_pending"] = not s["retired_pages_pending"]
+            if rng.random() < 0.001:
+                s["ecc_dbe_volatile"] += 1
+            if rng.random() < 0.001:
+                s["recovery_action"] = rng.choice([0, 1])
+        gpus = [
+            wire.GpuSample(
+                index=i, temp_c=rng.uniform(40, 80), power_w=rng.uniform(300, 700),
+                clock_event_reasons=(0x40 if rng.random() < hot[i] else 0)
+                | (0x4 if rng.random() < 0.3 else 0),
+                **state[i],
+            )
+            for i in range(4)
+        ]  # fmt: skip
+        out.append((t, wire.NodeGpu(ts=t, node="n", gpus=gpus)))
+    return out
+
+
+@pytest.mark.parametrize(("seed", "every_s"), [(1, 10.0), (2, 10.0), (3, 3600.0)])
+def test_brief_samples_find_what_full_samples_find(seed: int, every_s: float) -> None:
+    """The same machine's samples as an agent sends them, brief between full ones
+    (``wire.BriefSamples``), make exactly the findings, at the same times, that the
+    same samples all in full make; each with its re-arming, as the ticks go."""
+    samples = _random_samples(seed, 1500)
+    full, brief = (make(rearm_after_s=20, forget_after_s=120) for _ in range(2))
+    shaper = wire.BriefSamples(every_s)
+    found: dict[str, list[tuple[float, str, int, str]]] = {"full": [], "brief": []}
+    forms = set()
+    for k, (t, s) in enumerate(samples):
+        shaped = shaper.shape(s, t)
+        forms.add(shaped.brief)
+        for name, det, message in (("full", full, s), ("brief", brief, shaped)):
+            det.context.view.apply_gpu(message, t)  # else a tick forgets the machine
+            for e in det.observe(message, t):
+                found[name].append((t, type(e).__name__, e.gpu, e.cause))
+            if k % 30 == 0:
+                list(det.tick(t))
+    assert forms == {True, False}
+    kinds_found = {(kind, cause) for _, kind, _, cause in found["full"]}
+    assert {"throttling", "nvlink replays", "pending row remap", "volatile DBE"} <= {
+        cause for _, cause in kinds_found
+    }
+    assert found["brief"] == found["full"]
+
+
+def test_a_brief_sample_whose_full_one_never_came_judges_nothing() -> None:
+    det = make()
+    shaper = wire.BriefSamples(10.0, repeat=0)
+    hot = sample(clock_event_reasons=0x40, ecc_dbe_volatile=2)
+    lost = shaper.shape(hot, T0)  # full: lost on the way
+    assert not lost.brief
+    assert list(det.observe(shaper.shape(hot, T0 + 1), T0 + 1)) == []  # nothing to repeat
+    shaper.reset()
+    found = det.observe(shaper.shape(hot, T0 + 2), T0 + 2)  # the next full one
+    assert kinds(found) == [("GpuFault", "volatile DBE")]
+
+
+def test_gpus_seen_only_in_brief_samples_are_not_forgotten() -> None:
+    det = make(forget_after_s=120)
+    view = det.context.view
+    shaper = wire.BriefSamples(3600.0)
+    for t in range(0, 400, 10):
+        message = shaper.shape(sample(clock_event_reasons=0), T0 + t)
+        view.apply_gpu(message, T0 + t)
+        list(det.observe(message, T0 + t))
+        list(det.tick(T0 + t))
+    assert message.brief and list(det._nodes["n"].gpus) == [0]
+
+
+def test_a_fault_repeated_in_brief_samples_is_not_found_again() -> None:
+    """A GPU's volatile DBE count stays in every brief sample as in its full one: its
+    finding stays made (not forgotten and made again at the next full sample)."""
+    det = make(forget_after_s=120)
+    shaper = wire.BriefSamples(3600.0)
+    found = []
+    for t in range(0, 400):
+        message = shaper.shape(sample(ecc_dbe_volatile=1, nvlink_replay=t // 300), T0 + t)
+        det.context.view.apply_gpu(message, T0 + t)
+        found += [(t, e.cause) for e in det.observe(message, T0 + t)]
+        if t % 30 == 0:
+            list(det.tick(T0 + t))
+    assert found == [(0, "volatile DBE")]

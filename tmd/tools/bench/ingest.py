@@ -212,6 +212,7 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
 async def _measure(
     *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool,
     via: str = "direct", relay_sample: bool = False, broker_pid: int | None = None,
+    full_sample_every_s: float = 10.0,
 ) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
         daemon = Daemon(_config(host, port, ranks, state))
@@ -222,7 +223,7 @@ async def _measure(
         spec = synth.SynthSpec(
             host=host, port=port, job="bench", ranks=ranks, seconds=seconds, flush_s=flush_s,
             step_s=STEP_S, seed=1, via=via,  # type: ignore[arg-type]  # checked by main
-            relay_sample=relay_sample,
+            relay_sample=relay_sample, full_sample_every_s=full_sample_every_s,
         )  # fmt: skip
         rss_before = _rss_mb()
         cpu0, wall0, broker0 = _cpu_s(), time.monotonic(), process_cpu_s(broker_pid)
@@ -249,6 +250,7 @@ async def _measure(
             "ranks": ranks,
             "via": via,
             "relay_sample": relay_sample if via == "agent" else None,
+            "full_sample_every_s": full_sample_every_s,
             "nodes": len(daemon.view.nodes),
             "seconds": seconds,
             "flush_s": flush_s,
@@ -317,7 +319,7 @@ def holds(r: Mapping[str, Any]) -> bool:
 
 def _search(
     host: str, port: int, start: int, start_holds: bool, seconds: float, flush_s: float,
-    via: str, relay_sample: bool, broker_pid: int | None,
+    via: str, relay_sample: bool, broker_pid: int | None, full_sample_every_s: float,
 ) -> dict[str, Any]:  # fmt: skip
     """Double N from ``start`` until the target fails (halve it while it fails), then
     bisect to within 1/8; each run ``seconds`` long, as the one at ``start`` (a shorter
@@ -336,6 +338,7 @@ def _search(
                 via=via,
                 relay_sample=relay_sample,
                 broker_pid=broker_pid,
+                full_sample_every_s=full_sample_every_s,
             )
         )
         keys = ("ranks", "loss", "p99_latency_s", "publisher_max_behind_s", "rss_mb",
@@ -402,6 +405,14 @@ def main(argv: list[str]) -> int:
         help="with --via agent: the sample inside the relayed message (agent.relay_sample)",
     )
     p.add_argument(
+        "--full-sample-every-s",
+        type=float,
+        default=config_mod.AgentConfig.full_sample_every_s,
+        metavar="S",
+        help="each machine's GPU sample in full this often, brief in between, as the agent "
+        "sends it (agent.full_sample_every_s, default %(default)s); 0: every one in full",
+    )
+    p.add_argument(
         "--no-baseline", action="store_true", help="skip the stock-iterator baseline run"
     )
     p.add_argument(
@@ -433,6 +444,7 @@ def main(argv: list[str]) -> int:
                 via=args.via,
                 relay_sample=args.relay_sample,
                 broker_pid=broker_pid,
+                full_sample_every_s=args.full_sample_every_s,
             )
         )
         out["shortfalls"] = shortfalls(out)
@@ -450,6 +462,7 @@ def main(argv: list[str]) -> int:
                     via=args.via,
                     relay_sample=args.relay_sample,
                     broker_pid=broker_pid,
+                    full_sample_every_s=args.full_sample_every_s,
                 )
             )
             out["baseline_stock_iterator"] = base
@@ -458,7 +471,8 @@ def main(argv: list[str]) -> int:
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
             found = _search(host, port, args.ranks, out["holds_target"], args.seconds,
-                            args.flush_s, args.via, args.relay_sample, broker_pid)  # fmt: skip
+                            args.flush_s, args.via, args.relay_sample, broker_pid,
+                            args.full_sample_every_s)  # fmt: skip
             out.update(found)
     out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)
