@@ -109,29 +109,38 @@ class _Gpu:
         self.nvlink_at = self.pcie_at = now
 
 
-@dataclass
 class _Node:
     """A machine's GPUs, and one throttle window for all of them: a sample each
     ``(when, the GPUs throttled, the GPUs read)``, as bit masks by GPU index, so the
     usual sample (none throttled) costs one entry, not one per GPU. While one of its
     samples has a GPU throttled, ``reads`` and ``hot`` count each GPU's samples in the
-    window and its throttled ones (by index); None while none has."""
+    window and its throttled ones (by index); None while none has. A plain class with
+    slots, as ``_Gpu``: a cluster's first samples make one per machine at once."""
 
-    gpus: dict[int, _Gpu] = field(default_factory=dict)
-    window: deque[tuple[float, int, int]] = field(default_factory=deque)
-    hot_samples: int = 0  # samples in ``window`` with a GPU throttled
-    reads: dict[int, int] | None = None
-    hot: dict[int, int] | None = None
-    # The last full sample (brief ones repeat it), its GPUs' indexes and their bit
-    # mask (-1: not yet worked out), and when a brief one last came.
-    last: wire.NodeGpu | None = None
-    indexes: list[int] = field(default_factory=list)
-    read_all: int = -1
-    briefed: float = -math.inf
-    # Whether a GPU of the last sample judged (``_judge``) was not the usual one:
-    # something fatal or pending, a cause reported or to re-arm, a counter rising
-    # (while False, no GPU is degraded, and a brief repeat would raise nothing).
-    busy: bool = False
+    __slots__ = ("briefed", "busy", "gpus", "hot", "hot_samples", "indexes", "last",
+                 "read_all", "reads", "window")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.gpus: dict[int, _Gpu] = {}
+        self.window: deque[tuple[float, int, int]] = deque()
+        self.hot_samples = 0  # samples in ``window`` with a GPU throttled
+        self.reads: dict[int, int] | None = None
+        self.hot: dict[int, int] | None = None
+        # The last full sample (brief ones repeat it), its GPUs' indexes and their bit
+        # mask (-1: not yet worked out), and when a brief one last came.
+        self.last: wire.NodeGpu | None = None
+        self.indexes: list[int] = []
+        self.read_all = -1
+        self.briefed = -math.inf
+        # Whether a GPU of the last sample judged (``_judge``) was not the usual one:
+        # something fatal or pending, a cause reported or to re-arm, a counter rising
+        # (while False, no GPU is degraded, and a brief repeat would raise nothing).
+        self.busy = False
+
+    def place(self, indexes: list[int]) -> None:
+        """The GPUs of a full sample, by index, in its order (brief ones follow it)."""
+        if indexes != self.indexes:
+            self.indexes, self.read_all = indexes, -1
 
     def add(self, now: float, hot: int, read: int) -> None:
         """A sample into the window (none where no GPU was read), and into the counts
@@ -263,11 +272,12 @@ class GpuHealthDetector(Detector):
                 node.briefed = now  # its GPUs seen (``tick``)
                 return ()  # the usual machine: every GPU would ``continue`` in ``_judge``
             return self._brief(name, node, base, reasons, throttled, now)
-        node.last, indexes = sample, [g.index for g in sample.gpus]
-        if indexes != node.indexes:
-            node.indexes, node.read_all = indexes, -1
+        node.last = sample
+        node.place([g.index for g in sample.gpus])
         throttled = self._throttled(node, [g.clock_event_reasons for g in sample.gpus], now)
-        return self._judge(name, node, sample.gpus, throttled, now)
+        # Judged now, not as the caller iterates: ``node.busy`` is read by the next
+        # brief sample, whoever consumed this one's findings and how far.
+        return list(self._judge(name, node, sample.gpus, throttled, now))
 
     def _brief(
         self,
@@ -277,13 +287,13 @@ class GpuHealthDetector(Detector):
         reasons: list[int | None],
         throttled: int,
         now: float,
-    ) -> Iterator[events.Event]:
+    ) -> list[events.Event]:
         """A brief sample of a machine that is not the usual one: the full one
         ``base``'s GPUs, each with its clock event reasons now, judged as ``base``
         with these reasons would be."""
         replace = msgspec.structs.replace
         again = [replace(g, clock_event_reasons=r) for g, r in zip(base.gpus, reasons, strict=True)]
-        return self._judge(name, node, again, throttled, now)
+        return list(self._judge(name, node, again, throttled, now))  # now, as a full one's
 
     def _judge(
         self, name: str, node: _Node, samples: list[wire.GpuSample], throttled: int, now: float

@@ -4,10 +4,11 @@ In data-parallel training a rank whose process hangs usually stalls everyone in 
 next all-reduce; a rank that goes silent while the others keep stepping has lost its
 telemetry path, its process or its machine. Reported once per stall; a rank that
 reports again re-arms. A job whose ranks all stop is not a rank stall. Reads the
-cluster view on each tick (O(ranks) a second), not every telemetry message, and only
-while the daemon's view is trusted (``tmd.daemon.freshness``), counting silences from
-when it became current, or from when what the job's ranks published themselves was
-last found lost on the way (``JobView.lost_at``: that job's view settles anew).
+view's step columns on each tick (every rank's last step and report, as vectors), not
+every telemetry message, and only while the daemon's view is trusted
+(``tmd.daemon.freshness``), counting silences from when it became current, or from
+when what the job's ranks published themselves was last found lost on the way
+(``JobView.lost_at``: that job's view settles anew).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+
+import numpy as np
 
 from tmd.daemon import events
 from tmd.daemon.view import JobView
@@ -63,13 +66,17 @@ class RankStalledDetector(Detector):
         since = max(since, job.lost_at)  # silences count from the loss
         if not job.ranks or now - max(job.last_seen, since) > cfg.stall_after_s:
             return  # nobody is stepping: a job stall, not a rank stall
-        front = max(r.last_step for r in job.ranks.values())
-        for r, rank in job.ranks.items():
-            if (
-                now - max(rank.last_seen, since) <= cfg.stall_after_s
-                or front - rank.last_step < cfg.stall_steps
-            ):
-                continue
+        cols = job.cols
+        if cols is None:
+            return
+        # Every rank at once: its column's ``last_step`` and ``last_seen`` (``StepColumns``).
+        used = cols.in_use()
+        steps, seen = cols.last_step[used], cols.last_seen[used]
+        front = int(steps.max())
+        silent = now - np.maximum(seen, since) > cfg.stall_after_s
+        for col in used[silent & (front - steps >= cfg.stall_steps)].tolist():
+            r = int(cols.rank[col])
+            rank = job.ranks[r]
             if self._reported.get((name, r)) == rank.last_step:
                 continue  # already reported, and it has not moved since
             self._reported[(name, r)] = rank.last_step

@@ -600,6 +600,7 @@ class _Job:
     nodes: list[str] = field(default_factory=list)
     placed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node -> its ranks
     col_slot: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    state_cols: I64 = field(default_factory=lambda: np.zeros(0, np.int64))  # of ``states``
     in_order: bool = True  # col_slot ascending over the columns in use
     rank_machine: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     rank_place: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -655,9 +656,8 @@ class StragglerDetector(Detector):
             self._current(vjob, job, range(len(states)))
         elif job.behind:  # only they can have changed: a rank behind can only catch up
             self._current(vjob, job, job.behind)
-        # Each rank's last step: a read of every state (some 10 ms at 131,072 ranks, as
-        # is the read of their nodes in ``_sync``), which no column holds.
-        steps = np.fromiter([s.last_step for s in states], np.int64, len(states))
+        # Each rank's last step, from its column (``StepColumns.last_step``).
+        steps = vjob.cols.last_step[job.state_cols]
         if job.current is not None:  # only the ranks on the job's timeline
             steps = steps[job.current]
             if not steps.size:
@@ -775,7 +775,7 @@ class StragglerDetector(Detector):
         if not job.singletons:  # else the machines are never judged: no slots for them
             self._place(job)
         job.col_slot = np.full(cols.n, -1, np.int64)
-        on = np.fromiter([s.col for s in states], np.int64, len(states))
+        on = job.state_cols = np.fromiter([s.col for s in states], np.int64, len(states))
         job.col_slot[on] = np.fromiter([ranks.slot[s.rank] for s in states], np.int64, on.size)
         used = job.col_slot[job.col_slot >= 0]
         job.in_order = bool((used[1:] > used[:-1]).all())

@@ -244,9 +244,10 @@ class AgentConfig:
 
     def validate(self) -> None:
         _check(
-            0 <= self.full_sample_every_s <= 3600,
+            0 <= self.full_sample_every_s <= 60,
             "agent.full_sample_every_s",
-            "must be in 0..3600 (0: every sample in full)",
+            "must be in 0..60 (0: every sample in full): a daemon that lost a full sample"
+            " judges the GPUs again only from the next",
         )
         if self.node:
             _check(

@@ -181,7 +181,8 @@ class BriefSamples:
 
     def __init__(self, every_s: float, *, repeat: int = 2, phase_s: float = 0.0) -> None:
         """``phase_s``: the first periodic full sample that much sooner (agents started
-        at once, as a simulated cluster's, spread theirs as agents started apart do)."""
+        at once, as a simulated cluster's, spread theirs as agents started apart do).
+        ``every_s`` 0, or a sample without GPUs (heartbeat only): always in full."""
         self.every_s = every_s
         self.repeat = repeat
         self.rev = time.time_ns() // 1_000_000  # ms: below ``Count``'s bound for ages
@@ -209,17 +210,20 @@ class BriefSamples:
     def shape(self, sample: NodeGpu, now: float, *, key: tuple[Any, ...] | None = None) -> NodeGpu:
         """``sample`` as it goes out: in full with its ``rev``, or brief. ``key``:
         ``BriefSamples.key(sample.gpus)``, where the caller has it already."""
-        if self.every_s <= 0:
-            return sample
+        if self.every_s <= 0 or not sample.gpus:
+            return sample  # a heartbeat without GPUs: nothing to abbreviate
         if key is None:
             key = self.key(sample.gpus)
         if key != self._key:
             if self._key is not None:
                 self.rev += 1
             self._key, self._left = key, self.repeat + 1
-        if self._left > 0 or now - self._full_at >= self.every_s:
-            self._left = max(0, self._left - 1)
-            self._full_at, self._phase_s = now - self._phase_s, 0.0
+        if self._left > 0:  # a change, or the first: in full, the period from it
+            self._left -= 1
+            self._full_at = now - self._phase_s
+            return msgspec.structs.replace(sample, rev=self.rev)
+        if now - self._full_at >= self.every_s:
+            self._full_at, self._phase_s = now, 0.0
             return msgspec.structs.replace(sample, rev=self.rev)
         return NodeGpu(
             ts=sample.ts, node=sample.node, seq=sample.seq, rev=self.rev,

@@ -407,10 +407,18 @@ def rows() -> list[tuple[str, list[Json]]]:
             "Ingest",
             series(
                 "Messages received",
-                "MQTT messages per second, valid or not, by kind of topic.",
+                "MQTT messages per second, valid or not, by kind of topic. And GPU"
+                " samples by form: full, brief (each GPU's clock event reasons, the rest"
+                " as in the last full one), unresolved (brief, its full one not held"
+                " here, as after a restart: a heartbeat until the next full one,"
+                " agent.full_sample_every_s).",
                 _target(
                     f"sum by (kind) (rate(tmd_messages_received_total{{{SEL}}}[{RATE}]))",
                     "{{kind}}",
+                ),
+                _target(
+                    f"sum by (form) (rate(tmd_gpu_samples_total{{{SEL}}}[{RATE}]))",
+                    "GPU samples: {{form}}",
                 ),
                 unit="count:msg/s",
                 width=8,
@@ -421,9 +429,7 @@ def rows() -> list[tuple[str, list[Json]]]:
                 " reference): version (a sender newer than the daemon), rank, schema, json,"
                 " value, mismatch, limit (the view's caps), internal (a bug). And telemetry"
                 " lost on the way (gaps in its senders' sequence numbers: the broker"
-                " drops what a daemon that lags cannot take; TmdMessagesLost). And brief"
-                " GPU samples whose full one never came (taken as heartbeats until the"
-                " next full one, agent.full_sample_every_s).",
+                " drops what a daemon that lags cannot take; TmdMessagesLost).",
                 _target(
                     f"sum by (reason) (rate(tmd_messages_rejected_total{{{SEL}}}[{RATE}]))",
                     "{{reason}}",
@@ -431,10 +437,6 @@ def rows() -> list[tuple[str, list[Json]]]:
                 _target(
                     f"sum by (kind) (rate(tmd_messages_lost_total{{{SEL}}}[{RATE}]))",
                     "lost: {{kind}}",
-                ),
-                _target(
-                    f'sum (rate(tmd_gpu_samples_total{{{SEL}, form="unresolved"}}[{RATE}]))',
-                    "GPU samples unresolved",
                 ),
                 unit="count:msg/s",
                 thresholds=[("green", None), ("red", 0.001)],

@@ -191,6 +191,8 @@ async def test_reconnects_and_resends_status_and_held_xids(own_broker: Mosquitto
     node = "ag-reconnect"
     fake = FakeNvml(1)
     async with running(agent_config(own_broker, node), fake) as agent:
+        async with watching(own_broker, node) as before:
+            rev = (await eventually(lambda: before.of("gpu")))[0].rev
         own_broker.stop()
         await eventually(lambda: not agent.connected)
         fake.xid(0, 48)  # while the broker is away
@@ -199,7 +201,9 @@ async def test_reconnects_and_resends_status_and_held_xids(own_broker: Mosquitto
         async with watching(own_broker, node) as watch:
             (xid,) = await eventually(lambda: watch.of("xid"))
             assert xid.xid == 48
-            await eventually(lambda: watch.of("gpu"))
+            samples = await eventually(lambda: watch.of("gpu"))
+            # Briefs after a reconnect lean on no full sample sent before it.
+            assert all(s.rev > rev for s in samples)
         assert (await retained_status(own_broker, node)).state == "online"
 
 

@@ -265,3 +265,16 @@ def test_a_malformed_brief_sample_is_a_schema_error(message: wire.NodeGpu) -> No
     with pytest.raises(ProtocolError) as err:
         decoded.check()
     assert err.value.reason == "schema"
+
+
+def test_brief_samples_of_agents_started_at_once_spread_their_full_ones() -> None:
+    """``phase_s``: the first periodic full sample that much sooner, then every period
+    (a simulated cluster's agents, all started at once, as agents started apart)."""
+    sample = wire.NodeGpu(ts=TS, node="n", gpus=_gpus())
+    full = {}
+    for phase in (0.0, 4.0):
+        briefs = wire.BriefSamples(10.0, phase_s=phase)
+        full[phase] = [t for t in range(30) if not briefs.shape(sample, float(t)).brief]
+    assert full == {0.0: [0, 1, 2, 12, 22], 4.0: [0, 1, 2, 8, 18, 28]}
+    heartbeat = wire.NodeGpu(ts=TS, node="n")  # no GPUs: nothing to abbreviate
+    assert wire.BriefSamples(10.0).shape(heartbeat, 5.0) is heartbeat

@@ -23,8 +23,9 @@ NF: Final = len(TIMING_FIELDS)
 class StepColumns:
     """``window`` rows of steps for up to ``capacity`` ranks (it grows on demand)."""
 
-    __slots__ = ("end_ts", "free", "n", "rank", "step", "timings", "w_end_ts", "w_step",
-                 "w_timings", "window")  # fmt: skip
+    __slots__ = ("end_ts", "free", "last_seen", "last_step", "n", "rank", "step", "timings",
+                 "w_end_ts", "w_last_seen", "w_last_step", "w_step", "w_timings",
+                 "window")  # fmt: skip
 
     def __init__(self, window: int, capacity: int = 8) -> None:
         self.window = window
@@ -35,6 +36,10 @@ class StepColumns:
         # float32: a duration to 7 digits is plenty, and half the memory at 131k ranks.
         self.timings: npt.NDArray[np.float32] = np.zeros((NF, window, capacity), np.float32)
         self.rank: npt.NDArray[np.int64] = np.full(capacity, -1, np.int64)
+        # Each column's rank: its highest step held (-1: none), and when (daemon time)
+        # it last reported; what a detector reads of every rank at each tick.
+        self.last_step: npt.NDArray[np.int64] = np.full(capacity, -1, np.int64)
+        self.last_seen: npt.NDArray[np.float64] = np.zeros(capacity, np.float64)
         self._writers()
 
     def _writers(self) -> None:
@@ -47,6 +52,8 @@ class StepColumns:
         self.w_end_ts = self.end_ts.data.cast("B").cast("d", [window, capacity])
         flat = self.timings.reshape(NF * window, capacity)  # a view: the same memory
         self.w_timings = flat.data.cast("B").cast("f", [NF * window, capacity])
+        self.w_last_step = self.last_step.data.cast("B").cast("q")
+        self.w_last_seen = self.last_seen.data.cast("B").cast("d")
 
     @property
     def capacity(self) -> int:
@@ -67,7 +74,13 @@ class StepColumns:
     def give_back(self, col: int) -> None:
         self.rank[col] = -1
         self.step[:, col] = -1
+        self.last_step[col] = -1
+        self.last_seen[col] = 0.0
         self.free.append(col)
+
+    def in_use(self) -> npt.NDArray[np.intp]:
+        """The columns a rank holds."""
+        return np.flatnonzero(self.rank[: self.n] >= 0)
 
     def reserve(self, ranks: int) -> None:
         """Room for ``ranks`` columns in all, made now: a job whose status lists its
@@ -87,7 +100,12 @@ class StepColumns:
         timings[:, :, :old] = self.timings
         rank = np.full(capacity, -1, np.int64)
         rank[:old] = self.rank
+        last_step = np.full(capacity, -1, np.int64)
+        last_step[:old] = self.last_step
+        last_seen = np.zeros(capacity, np.float64)
+        last_seen[:old] = self.last_seen
         self.step, self.end_ts, self.timings, self.rank = step, end_ts, timings, rank
+        self.last_step, self.last_seen = last_step, last_seen
         self._writers()
 
     def held(self, step: int) -> npt.NDArray[np.bool_]:

@@ -26,8 +26,6 @@ class RankState:
         "cols",
         "duplicates",
         "generation",
-        "last_seen",
-        "last_step",
         "late",
         "node",
         "rank",
@@ -46,8 +44,6 @@ class RankState:
         self.window = cols.window
         self.generation = 0
         self.run = 0
-        self.last_step = -1
-        self.last_seen = 0.0
         self.total_steps = 0
         self.duplicates = 0
         # What it published itself: its last number, stamp, run and generation, and
@@ -55,6 +51,25 @@ class RankState:
         self.seq: tuple[int, float, int | None, int] | None = None
         self.seq_doubted_until = 0.0
         self.late = 0
+
+    @property
+    def last_step(self) -> int:
+        """The highest step its column holds (-1: none), kept in the columns
+        (``StepColumns.last_step``): a detector reads every rank's at once."""
+        return self.cols.w_last_step[self.col]
+
+    @last_step.setter
+    def last_step(self, step: int) -> None:
+        self.cols.w_last_step[self.col] = step
+
+    @property
+    def last_seen(self) -> float:
+        """When (daemon time) it last reported (0: never), in the columns too."""
+        return self.cols.w_last_seen[self.col]
+
+    @last_seen.setter
+    def last_seen(self, now: float) -> None:
+        self.cols.w_last_seen[self.col] = now
 
     @property
     def steps(self) -> list[int]:
@@ -67,11 +82,12 @@ class RankState:
     ) -> None:  # fmt: skip
         """One step into its row of the column, counted in ``into`` as accepted, a
         duplicate (its row holds it already) or late (older than the window)."""
-        if step <= self.last_step - self.window:
+        cols, col, window = self.cols, self.col, self.window
+        last = cols.w_last_step[col]
+        if step <= last - window:
             self.late += 1
             into.late += 1
             return
-        cols, col, window = self.cols, self.col, self.window
         slot = step % window
         steps = cols.w_step
         if steps[slot, col] == step:
@@ -86,8 +102,8 @@ class RankState:
         t[2 * window + slot, col] = allreduce_s
         t[3 * window + slot, col] = optimizer_s
         t[4 * window + slot, col] = data_s
-        if step > self.last_step:
-            self.last_step = step
+        if step > last:
+            cols.w_last_step[col] = step
         self.total_steps += 1
         into.accepted += 1
 

@@ -128,6 +128,8 @@ class NodeView:
     gpus: list[wire.GpuInfo] = field(default_factory=list)
     sample: wire.NodeGpu | None = None
     """The last full sample (``wire.NodeGpu``): brief ones repeat it."""
+    sample_seen: float = 0.0
+    """When (daemon time) ``sample`` arrived: its temperatures are as old."""
     xids: deque[wire.XidEvent] = field(default_factory=lambda: deque(maxlen=32))
     last_seen: float = 0.0
     status_ts: float = 0.0
@@ -310,11 +312,12 @@ class ClusterView:
                 # brings one step of each of a machine's ranks, and a call per step
                 # was a fifth of the daemon's time).
                 state.node = node
-                state.last_seen = now
                 job.last_seen = now
                 cols, col, window = state.cols, state.col, state.window
                 w_step, w_end, t = cols.w_step, cols.w_end_ts, cols.w_timings
-                last = state.last_step
+                cols.w_last_seen[col] = now  # ``state.last_seen``, without the call
+                w_last = cols.w_last_step
+                last = w_last[col]
                 oldest = last - window
                 took = 0
                 for k in range(first, pos):
@@ -339,7 +342,7 @@ class ClusterView:
                         last = step
                         oldest = last - window
                     took += 1
-                state.last_step = last
+                w_last[col] = last
                 state.total_steps += took
                 accepted += took
             else:
@@ -436,7 +439,7 @@ class ClusterView:
         if node.state != "online":
             node.state = "online"  # a sample proves the agent is alive
         if sample.reasons is None:
-            node.sample = sample
+            node.sample, node.sample_seen = sample, now
             return "full"
         return "brief" if sample.repeats(node.sample) else "unresolved"
 
@@ -726,6 +729,8 @@ def _node_json(n: NodeView, now: float) -> dict[str, Any]:
         "max_temp_c": max((g.temp_c for g in sample.gpus if g.temp_c is not None), default=None)
         if sample
         else None,
+        # As of the last full sample (brief ones leave temperatures out).
+        "sample_age_s": round(now - n.sample_seen, 3) if sample else None,
         "last_xid": (
             {"gpu": n.xids[-1].gpu, "xid": n.xids[-1].xid, "ts": n.xids[-1].ts} if n.xids else None
         ),

@@ -558,3 +558,37 @@ def test_columns_are_made_for_a_status_members_at_once_within_max_ranks() -> Non
     # (each job's first 8 columns aside, as before: unbounded, this was 800)
     assert sum(v.cols.capacity for v in view.jobs.values() if v.cols is not None) <= 256 + 4 * 8
     assert view.jobs["j0"].ranks[0].steps.count(1) == 1
+
+
+def test_a_relayed_rank_new_to_the_view_takes_its_first_step_inline() -> None:
+    """A cluster's first second brings every rank's first step: a relayed batch of a
+    rank the view does not hold yet is taken where the usual one is (not through
+    ``apply_steps``, a call and rows per step), in its generation, within the job's
+    bounds; one of a new run still goes through ``apply_steps``, which notes the run."""
+    view = ClusterView()
+    members = [wire.Member(r, "n0", r) for r in range(3)]
+    view.apply_job_status(wire.JobStatus(ts=TS, job="j", generation=4, world_size=3,
+                                         members=members), TS)  # fmt: skip
+
+    def relayed(rank: int, run: int | None) -> wire.RelayedBatches:
+        step = wire.StepTiming(7, TS, 1, 0.6, 0.3, 0.05, 0.05)
+        batch = wire.IterBatch(ts=TS, job="j", rank=rank, node="n0", generation=4, run=run,
+                               steps=[step])  # fmt: skip
+        (columns,) = wire.RelayedBatches.of([batch])
+        return columns
+
+    calls = []
+    apply_steps = view.apply_steps
+    view.apply_steps = lambda *a, **k: calls.append(a[1]) or apply_steps(*a, **k)  # type: ignore[method-assign]
+    for rank, run in ((0, None), (1, 0), (2, 3)):
+        taken, refused = view.apply_relayed(relayed(rank, run), "n0", TS, StepsApplied())
+        assert (taken, refused) == ([0], [])
+    assert calls == [2]  # the new run only
+    ranks = view.jobs["j"].ranks
+    assert [(ranks[r].generation, ranks[r].last_step, ranks[r].total_steps) for r in (0, 1)] == [
+        (4, 7, 1),
+        (4, 7, 1),
+    ]
+    assert (ranks[2].run, view.total_ranks) == (3, 3)
+    taken, refused = view.apply_relayed(relayed(5, None), "n0", TS, StepsApplied())
+    assert taken == [] and refused[0][1].reason == "rank"

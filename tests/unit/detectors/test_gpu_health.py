@@ -185,7 +185,7 @@ def test_one_throttle_window_per_machine_judges_each_gpu_as_its_own_window_would
             hot = sum(h for _, h in window)
             full = window[-1][0] - window[0][0] >= 0.8 * 20
             expected |= (full and hot >= 0.5 * len(window)) << i
-        node.indexes, node.read_all = [g.index for g in gpus], -1
+        node.place([g.index for g in gpus])  # as a full sample places them
         got = det._throttled(node, [g.clock_event_reasons for g in gpus], t)
         agreed += got == expected
         throttled += expected != 0
@@ -226,7 +226,8 @@ def test_gpus_are_not_forgotten_within_their_windows() -> None:
 def _random_samples(seed: int, n: int) -> list[tuple[float, wire.NodeGpu]]:
     """A machine of 4 GPUs over ``n`` samples with every condition gpu_health judges
     coming and going: throttling (and the power cap, not judged), replay counters that
-    rise in bursts, pending flags, a volatile DBE, a recovery action, uneven intervals."""
+    rise in bursts, pending flags, a volatile DBE, a recovery action, uneven intervals,
+    a GPU whose reasons could not be read, and one that falls off the bus and back."""
     import random
 
     rng = random.Random(seed)
@@ -234,7 +235,8 @@ def _random_samples(seed: int, n: int) -> list[tuple[float, wire.NodeGpu]]:
     state = [dict(nvlink_replay=0, pcie_replay=0, remap_pending=False, ecc_dbe_volatile=0,
                   retired_pages_pending=False, recovery_action=0) for _ in range(4)]  # fmt: skip
     hot = [0.0] * 4
-    out = []
+    gone: int | None = None
+    out: list[tuple[float, wire.NodeGpu]] = []
     for _ in range(n):
         t += rng.choice([0.5, 1.0, 1.0, 1.0, 3.0])
         for i, s in enumerate(state):
@@ -250,14 +252,17 @@ def _random_samples(seed: int, n: int) -> list[tuple[float, wire.NodeGpu]]:
                 s["ecc_dbe_volatile"] += 1
             if rng.random() < 0.001:
                 s["recovery_action"] = rng.choice([0, 1])
+        if rng.random() < 0.01:
+            gone = rng.choice([None, None, 3])  # GPU 3 fell off the bus, or came back
         gpus = [
             wire.GpuSample(
                 index=i, temp_c=rng.uniform(40, 80), power_w=rng.uniform(300, 700),
-                clock_event_reasons=(0x40 if rng.random() < hot[i] else 0)
-                | (0x4 if rng.random() < 0.3 else 0),
+                clock_event_reasons=None if rng.random() < 0.01
+                else (0x40 if rng.random() < hot[i] else 0) | (0x4 if rng.random() < 0.3 else 0),
                 **state[i],
             )
             for i in range(4)
+            if i != gone
         ]  # fmt: skip
         out.append((t, wire.NodeGpu(ts=t, node="n", gpus=gpus)))
     return out
@@ -282,6 +287,12 @@ def test_brief_samples_find_what_full_samples_find(seed: int, every_s: float) ->
                 found[name].append((t, type(e).__name__, e.gpu, e.cause))
             if k % 30 == 0:
                 list(det.tick(t))
+            if k % 400 == 399:  # serviced: offline, then back with its first samples
+                for state in ("offline", "online"):
+                    status = wire.NodeStatus(ts=t, node="n", state=state)  # type: ignore[arg-type]
+                    list(det.observe(status, t))
+        if k % 400 == 399:
+            shaper.reset()  # the agent restarted: in full first
     assert forms == {True, False}
     kinds_found = {(kind, cause) for _, kind, _, cause in found["full"]}
     assert {"throttling", "nvlink replays", "pending row remap", "volatile DBE"} <= {
@@ -327,3 +338,20 @@ def test_a_fault_repeated_in_brief_samples_is_not_found_again() -> None:
         if t % 30 == 0:
             list(det.tick(T0 + t))
     assert found == [(0, "volatile DBE")]
+
+
+def test_a_calm_machine_that_starts_throttling_is_found_from_brief_samples_as_soon() -> None:
+    """The usual machine's brief samples go through the throttle window too: one that
+    starts throttling is found at the same sample whichever way its samples come."""
+    found = {}
+    for brief in (False, True):
+        det = make(throttle_window_s=30)
+        shaper = wire.BriefSamples(10.0 if brief else 0.0)
+        for t in range(200):
+            message = shaper.shape(sample(clock_event_reasons=0x40 if t >= 100 else 0), T0 + t)
+            assert message.brief == (brief and t not in (0, 1, 2) and (t - 2) % 10 != 0)
+            det.context.view.apply_gpu(message, T0 + t)
+            if kinds(det.observe(message, T0 + t)):
+                found[brief] = t
+                break
+    assert found == {False: 115, True: 115}

@@ -93,3 +93,28 @@ def test_a_job_settling_longer_than_a_stall_finds_nothing_meanwhile() -> None:
             view.jobs["j"].lost_at = T0 + step
         found += [step for e in det.tick(T0 + step)]
     assert found == [30]  # settled at 30, and silent 10 s from the loss by then
+
+
+def test_ranks_relayed_by_their_agents_stall_alike_and_a_column_given_back_starts_empty() -> None:
+    """The columns the detector reads (``StepColumns.last_step``, ``last_seen``) as
+    both ways of reporting write them: a relayed rank that goes silent is found; a
+    column a leaver gave back holds nothing of it for the rank that takes it next."""
+    from tmd.daemon.view import StepsApplied
+
+    view, det = make()
+    out: list[events.Event] = []
+    for step in range(1, 31):
+        batches = [b(r, step) for r in range(4) if r != 1 or step <= 12]
+        for batch in batches:  # each machine's agent relays its one rank
+            (relayed,) = wire.RelayedBatches.of([batch])
+            view.apply_relayed(relayed, batch.node, T0 + step, StepsApplied())
+        out += det.tick(T0 + step)
+    assert [(e.rank, e.last_step, e.node) for e in out] == [(1, 12, "n1")]  # type: ignore[attr-defined]
+    cols = view.jobs["j"].cols
+    assert cols is not None and cols.last_step[: cols.n].tolist() == [30, 12, 30, 30]
+    col = view.jobs["j"].ranks[1].col
+    cols.give_back(col)
+    assert (cols.last_step[col], cols.last_seen[col]) == (-1, 0.0)
+    assert col not in cols.in_use().tolist() and cols.take(7) == col
+    cols.reserve(4 * cols.capacity)  # grown: what the columns held stays
+    assert cols.last_step[: cols.n].tolist() == [30, -1, 30, 30]
