@@ -74,8 +74,8 @@ class RankStalledDetector(Detector):
         steps, seen = cols.last_step[used], cols.last_seen[used]
         front = int(steps.max())
         silent = now - np.maximum(seen, since) > cfg.stall_after_s
-        for col in used[silent & (front - steps >= cfg.stall_steps)].tolist():
-            r = int(cols.rank[col])
+        hits = used[silent & (front - steps >= cfg.stall_steps)]
+        for r in sorted(cols.rank[hits].tolist()):  # by rank: columns are reused in any order
             rank = job.ranks[r]
             if self._reported.get((name, r)) == rank.last_step:
                 continue  # already reported, and it has not moved since

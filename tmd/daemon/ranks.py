@@ -19,7 +19,8 @@ class StepsApplied:
 
 class RankState:
     """One rank: what it last reported, and its column of the job's ``StepColumns``
-    (its recent steps, row ``step % window``)."""
+    (its recent steps, row ``step % window``; its last step and report). Valid while
+    its job's view holds it: a rank that left gave its column back, for another."""
 
     __slots__ = (
         "col",

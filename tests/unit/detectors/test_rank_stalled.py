@@ -95,26 +95,44 @@ def test_a_job_settling_longer_than_a_stall_finds_nothing_meanwhile() -> None:
     assert found == [30]  # settled at 30, and silent 10 s from the loss by then
 
 
-def test_ranks_relayed_by_their_agents_stall_alike_and_a_column_given_back_starts_empty() -> None:
+def test_ranks_relayed_by_their_agents_stall_alike_and_columns_given_back_hold_nothing() -> None:
     """The columns the detector reads (``StepColumns.last_step``, ``last_seen``) as
-    both ways of reporting write them: a relayed rank that goes silent is found; a
-    column a leaver gave back holds nothing of it for the rank that takes it next."""
+    both ways of reporting write them: a relayed rank that goes silent is found; the
+    columns of ranks that left hold nothing of them (ticks meanwhile read only the
+    columns in use); ranks that come back take them in another order and are found
+    by rank; the columns grown keep what they held."""
     from tmd.daemon.view import StepsApplied
 
     view, det = make()
-    out: list[events.Event] = []
-    for step in range(1, 31):
-        batches = [b(r, step) for r in range(4) if r != 1 or step <= 12]
-        for batch in batches:  # each machine's agent relays its one rank
+
+    def status(world: int) -> None:
+        members = [wire.Member(r, f"n{r}", 0) for r in range(world)]
+        view.apply_job_status(wire.JobStatus(ts=T0, job="j", generation=0, world_size=world,
+                                             members=members), T0)  # fmt: skip
+
+    def steps(step: int, ranks: list[int]) -> list[events.Event]:
+        for r in ranks:  # each machine's agent relays its one rank
+            batch = b(r, step)
             (relayed,) = wire.RelayedBatches.of([batch])
             view.apply_relayed(relayed, batch.node, T0 + step, StepsApplied())
-        out += det.tick(T0 + step)
+        return list(det.tick(T0 + step))
+
+    status(6)
+    out = [e for step in range(1, 31) for e in steps(step, [0, 2, 3, 4, 5] + [1] * (step <= 12))]
     assert [(e.rank, e.last_step, e.node) for e in out] == [(1, 12, "n1")]  # type: ignore[attr-defined]
+    ranks = view.jobs["j"].ranks
+    freed = [ranks[4].col, ranks[5].col]
+    kept = sorted(ranks[r].col for r in range(4))
+    status(4)  # ranks 4 and 5 leave: their columns go back
     cols = view.jobs["j"].cols
-    assert cols is not None and cols.last_step[: cols.n].tolist() == [30, 12, 30, 30]
-    col = view.jobs["j"].ranks[1].col
-    cols.give_back(col)
-    assert (cols.last_step[col], cols.last_seen[col]) == (-1, 0.0)
-    assert col not in cols.in_use().tolist() and cols.take(7) == col
+    assert cols is not None and sorted(cols.in_use().tolist()) == kept
+    assert cols.last_step[freed].tolist() == [-1, -1] and cols.last_seen[freed].tolist() == [0, 0]
+    out = [e for step in range(31, 41) for e in steps(step, [0, 2, 3])]
+    assert out == []  # rank 1 again: not moved since it was found
+    status(6)
+    out = [e for step in range(41, 61) for e in steps(step, [0, 2, 3] + [4, 5] * (step == 41))]
+    assert [(e.rank, e.last_step) for e in out] == [(4, 41), (5, 41)]  # type: ignore[attr-defined]
+    assert [ranks[4].col, ranks[5].col] == freed[::-1]  # taken back in another order
+    before = [(r, s.last_step, s.last_seen) for r, s in ranks.items()]
     cols.reserve(4 * cols.capacity)  # grown: what the columns held stays
-    assert cols.last_step[: cols.n].tolist() == [30, -1, 30, 30]
+    assert [(r, s.last_step, s.last_seen) for r, s in ranks.items()] == before
