@@ -277,7 +277,7 @@ class GpuHealthDetector(Detector):
         throttled = self._throttled(node, [g.clock_event_reasons for g in sample.gpus], now)
         # Judged now, not as the caller iterates: ``node.busy`` is read by the next
         # brief sample, whoever consumed this one's findings and how far.
-        return list(self._judge(name, node, sample.gpus, throttled, now))
+        return self._judge(name, node, sample.gpus, throttled, now)
 
     def _brief(
         self,
@@ -293,46 +293,38 @@ class GpuHealthDetector(Detector):
         with these reasons would be."""
         replace = msgspec.structs.replace
         again = [replace(g, clock_event_reasons=r) for g, r in zip(base.gpus, reasons, strict=True)]
-        return list(self._judge(name, node, again, throttled, now))  # now, as a full one's
+        return self._judge(name, node, again, throttled, now)
 
     def _judge(
         self, name: str, node: _Node, samples: list[wire.GpuSample], throttled: int, now: float
-    ) -> Iterator[events.Event]:
-        """Each GPU of a sample of machine ``name``; ``throttled``: those throttled
-        for most of the window, as a bit mask by index."""
+    ) -> list[events.Event]:
+        """Each GPU of a sample of machine ``name``, judged now (``node.busy`` is read
+        by the next brief sample); ``throttled``: those throttled for most of the
+        window, as a bit mask by index."""
         cfg = self.config
         gpus = node.gpus
-        node.busy = False
+        found: list[events.Event] = []
+        report = self._report
+        busy = False
         for g in samples:
             index = g.index
             gpu = gpus.get(index)
             if gpu is None:
                 gpu = gpus[index] = _Gpu(g.nvlink_replay, g.pcie_replay, now)
             gpu.last_seen = now
-            if g.ecc_dbe_volatile or g.remap_failure or g.recovery_action:
-                node.busy = True  # a brief repeat must say it again
+            # Fatal, found again in each sample: a brief repeat must say it again (busy).
             if g.ecc_dbe_volatile:
-                yield from self._report(
-                    True,
-                    name,
-                    index,
-                    "volatile DBE",
-                    f"{g.ecc_dbe_volatile} double-bit ECC errors",
-                    now,
-                )
+                busy = True
+                detail = f"{g.ecc_dbe_volatile} double-bit ECC errors"
+                found += report(True, name, index, "volatile DBE", detail, now)
             if g.remap_failure:
-                yield from self._report(
-                    True, name, index, "row remap failure", "the GPU ran out of spare rows", now
-                )
+                busy = True
+                detail = "the GPU ran out of spare rows"
+                found += report(True, name, index, "row remap failure", detail, now)
             if g.recovery_action not in (None, RECOVERY_ACTION_NONE):
-                yield from self._report(
-                    True,
-                    name,
-                    index,
-                    "recovery action",
-                    f"driver asks for recovery action {g.recovery_action}",
-                    now,
-                )
+                busy = True
+                detail = f"driver asks for recovery action {g.recovery_action}"
+                found += report(True, name, index, "recovery action", detail, now)
             # A counter that did not move is not rising (``_rising``): the usual sample.
             nvlink = pcie = False
             value = g.nvlink_replay
@@ -347,7 +339,7 @@ class GpuHealthDetector(Detector):
                 gpu.degraded or pending_remap or pending_retire or throttling or nvlink or pcie
             ):
                 continue  # the common case: a healthy GPU with nothing to re-arm
-            node.busy = True
+            busy = True
             conditions = {
                 "pending row remap": pending_remap,
                 "pending page retirement": pending_retire,
@@ -361,9 +353,11 @@ class GpuHealthDetector(Detector):
                     if gpu.degraded is None:
                         gpu.degraded = set()
                     gpu.degraded.add(cause)
-                    yield from self._report(False, name, index, cause, _detail(cause, g), now)
+                    found += report(False, name, index, cause, _detail(cause, g), now)
                 elif gpu.degraded and cause in gpu.degraded and self._rearmed(key, now):
                     gpu.degraded.discard(cause)
+        node.busy = busy
+        return found
 
     def _throttled(self, node: _Node, reasons: list[int | None], now: float) -> int:
         """The GPUs of this sample (``reasons``: their clock event reasons, in the
