@@ -301,6 +301,32 @@ async def test_the_daemon_sees_the_node_online_with_its_gpus(
     await eventually(lambda: daemon.view.nodes[node].state == "offline")
 
 
+async def test_the_daemon_finds_gpu_faults_in_an_agent_s_brief_samples(
+    broker: Mosquitto, start_daemon: DaemonFactory
+) -> None:
+    """A real agent's samples through mosquitto to a real daemon, brief between full
+    ones: a GPU that starts throttling changes only its clock event reasons, so the
+    samples stay brief and it is found from them; a double-bit ECC count is a counter,
+    so a full sample carries it and it is found too."""
+    daemon = await start_daemon(broker, detectors={"gpu_health": {"throttle_window_s": 2.0}})
+    node = "ag-brief"
+    fake = FakeNvml(2)
+    samples = daemon.metrics.samples_by
+    async with running(agent_config(broker, node, full_sample_every_s=60), fake):
+        await eventually(lambda: samples["brief"].value >= 5)
+        full = samples["full"].value  # the first few, a connection's
+        fake.thermal_throttle(1)
+        found = await eventually(lambda: daemon.journal.events(kind="GpuDegraded"))
+        assert [(r.node, r.body["gpu"], r.body["cause"]) for r in found] == [
+            (node, 1, "throttling")
+        ]
+        assert samples["full"].value == full  # found from brief samples alone
+        fake.double_bit_ecc(0)
+        (fault,) = await eventually(lambda: daemon.journal.events(kind="GpuFault"))
+        assert (fault.node, fault.body["gpu"], fault.body["cause"]) == (node, 0, "volatile DBE")
+        assert samples["full"].value > full and samples["unresolved"].value == 0
+
+
 @pytest.mark.parametrize(
     ("table", "key"),
     [
