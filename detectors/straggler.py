@@ -829,7 +829,7 @@ class StragglerDetector(Detector):
         # As RankState.busy_at: the difference in float32, widened.
         timings = cols.timings
         busy = (timings[_STEP_S, row, :n] - timings[_ALLREDUCE_S, row, :n]).astype(np.float64)
-        held = (cols.step[row, :n] == step) & (busy > 0)
+        held = (cols.tags[row, :n] == step + 1) & (busy > 0)  # the step + 1 (``tags``)
         if job.col_ok is not None:  # not a rank still on the timeline the job left
             held &= job.col_ok[:n]
         at = np.flatnonzero(held)

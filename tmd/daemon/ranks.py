@@ -75,7 +75,7 @@ class RankState:
     @property
     def steps(self) -> list[int]:
         """The steps its column holds, by row (-1: none)."""
-        return [int(s) for s in self.cols.step[:, self.col]]
+        return [int(t) - 1 for t in self.cols.tags[:, self.col]]
 
     def add(
         self, into: StepsApplied, step: int, end_ts: float, step_s: float, compute_s: float,
@@ -90,12 +90,12 @@ class RankState:
             into.late += 1
             return
         slot = step % window
-        steps = cols.w_step
-        if steps[slot, col] == step:
+        tags = cols.w_tags
+        if tags[slot, col] == step + 1:
             self.duplicates += 1
             into.duplicate += 1
             return
-        steps[slot, col] = step
+        tags[slot, col] = step + 1
         cols.w_end_ts[slot, col] = end_ts
         t = cols.w_timings  # [field * window + slot, col]
         t[slot, col] = step_s
@@ -113,7 +113,7 @@ class RankState:
         minus the all-reduce wait), or None if the step is not held."""
         cols, col = self.cols, self.col
         slot = step % self.window
-        if cols.step[slot, col] != step:
+        if cols.tags[slot, col] != step + 1:
             return None
         return float(cols.timings[0, slot, col] - cols.timings[2, slot, col])
 
@@ -125,7 +125,7 @@ class RankState:
 
     def reset(self) -> None:
         """Forget the held steps (kept: the counters, which only ever grow)."""
-        self.cols.step[:, self.col] = -1
+        self.cols.tags[:, self.col] = 0
         self.last_step = -1
 
     def recent(self, field_name: str = "compute_s", *, last: int | None = None) -> list[float]:
@@ -137,6 +137,6 @@ class RankState:
         out = []
         for step in range(max(0, self.last_step - n + 1), self.last_step + 1):
             slot = step % window
-            if cols.step[slot, col] == step:
+            if cols.tags[slot, col] == step + 1:
                 out.append(float(cols.timings[offset, slot, col]))
         return out

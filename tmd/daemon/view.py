@@ -314,7 +314,7 @@ class ClusterView:
                 state.node = node
                 job.last_seen = now
                 cols, col, window = state.cols, state.col, state.window
-                w_step, w_end, t = cols.w_step, cols.w_end_ts, cols.w_timings
+                w_tags, w_end, t = cols.w_tags, cols.w_end_ts, cols.w_timings
                 cols.w_last_seen[col] = now  # ``state.last_seen``, without the call
                 w_last = cols.w_last_step
                 last = w_last[col]
@@ -327,11 +327,11 @@ class ClusterView:
                         state.late += 1
                         continue
                     slot = step % window
-                    if w_step[slot, col] == step:
+                    if w_tags[slot, col] == step + 1:  # the step + 1 (``StepColumns.tags``)
                         duplicate += 1
                         state.duplicates += 1
                         continue
-                    w_step[slot, col] = step
+                    w_tags[slot, col] = step + 1
                     w_end[slot, col] = end_col[k]
                     t[slot, col] = s0[k]
                     t[window + slot, col] = s1[k]

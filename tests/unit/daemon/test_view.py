@@ -592,3 +592,20 @@ def test_a_relayed_rank_new_to_the_view_takes_its_first_step_inline() -> None:
     assert (ranks[2].run, view.total_ranks) == (3, 3)
     taken, refused = view.apply_relayed(relayed(5, None), "n0", TS, StepsApplied())
     assert taken == [] and refused[0][1].reason == "rank"
+
+
+def test_step_zero_is_held_only_by_the_ranks_that_reported_it() -> None:
+    """The columns tag each row with its step + 1 (new columns are zeros, untouched
+    memory): a row never written holds no step, not step 0."""
+    view = ClusterView(window_steps=8)
+    for rank in (0, 1):
+        step = wire.StepTiming(rank * 8, TS, 1, 0.6, 0.3, 0.05, 0.05)
+        view.apply_iter(wire.IterBatch(ts=TS, job="j", rank=rank, node="n", steps=[step]), TS)
+    cols, ranks = view.jobs["j"].cols, view.jobs["j"].ranks
+    assert cols is not None
+    assert cols.held(0).tolist() == [True, False] and cols.held(8).tolist() == [False, True]
+    assert ranks[0].steps == [0, -1, -1, -1, -1, -1, -1, -1]
+    assert ranks[1].busy_at(0) is None and ranks[0].busy_at(0) == pytest.approx(0.7)
+    again = wire.IterBatch(ts=TS, job="j", rank=0, node="n",
+                           steps=[wire.StepTiming(0, TS, 1, 0.6, 0.3, 0.05, 0.05)])  # fmt: skip
+    assert view.apply_iter(again, TS).duplicate == 1
