@@ -16,6 +16,10 @@ configurable.
 A finding is made once per (node, GPU, cause). Faults stay until the node comes back
 online (serviced or rebooted); a degraded condition re-arms once it has been clear for
 ``rearm_after_s``.
+
+A brief sample (``wire.BriefSamples``: each GPU's clock event reasons, its counters and
+flags as in the node's last full one) is judged as that full one with these reasons
+would be; one whose full sample never came here judges nothing until the next.
 """
 
 from __future__ import annotations
