@@ -269,8 +269,8 @@ class GpuHealthDetector(Detector):
         reasons = sample.reasons
         if reasons is not None:
             base = node.last
-            if base is None or base.rev != sample.rev or len(reasons) != len(node.indexes):
-                return ()  # its full sample never came here (``NodeGpu.repeats``)
+            if base is None or not sample.repeats(base):
+                return ()  # its full sample never came here
             throttled = self._throttled(node, reasons, now)
             if not (throttled or node.busy):
                 node.briefed = now  # its GPUs seen (``tick``)

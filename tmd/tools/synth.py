@@ -24,6 +24,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tmd import wire
+from tmd.config import AgentConfig
 from tmd.mqtt_codec import encode_length, packet_bounds, publish_packet, topic_field
 
 
@@ -44,7 +45,7 @@ class SynthSpec:
     relay_sample: bool = False  # via agent: the sample inside the NodeIter (agent.relay_sample)
     # As agent.full_sample_every_s: the GPU sample in full this often (and first), brief
     # in between (the healthy GPUs' counters never change); 0: every one in full.
-    full_sample_every_s: float = 10.0
+    full_sample_every_s: float = AgentConfig.full_sample_every_s
     slow: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown (1.3 = +30%)
     seed: int = 0
 

@@ -212,7 +212,7 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
 async def _measure(
     *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool,
     via: str = "direct", relay_sample: bool = False, broker_pid: int | None = None,
-    full_sample_every_s: float = 10.0,
+    full_sample_every_s: float = config_mod.AgentConfig.full_sample_every_s,
 ) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
         daemon = Daemon(_config(host, port, ranks, state))
@@ -422,6 +422,8 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = p.parse_args(argv)
+    if not 0 <= args.full_sample_every_s <= 60:
+        p.error("--full-sample-every-s must be in 0..60, as agent.full_sample_every_s")
     log.setup(level="warning")  # on stderr: stdout carries the JSON alone
     load, progress = measure.Load(), Progress()
     with ExitStack() as stack:
