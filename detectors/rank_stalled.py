@@ -41,6 +41,7 @@ class RankStalledConfig:
 
 class RankStalledDetector(Detector):
     name = "rank_stalled"
+    reads_ranks = True
     Config = RankStalledConfig
     tick_interval = timedelta(seconds=1)
     config: RankStalledConfig

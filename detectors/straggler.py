@@ -620,6 +620,7 @@ class _Job:
 
 class StragglerDetector(Detector):
     name = "straggler"
+    reads_ranks = True
     Config = StragglerConfig
     tick_interval = timedelta(seconds=1)
     config: StragglerConfig

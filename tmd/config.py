@@ -146,6 +146,9 @@ class IngestConfig:
     probe_interval_s: float = 1.0
     stale_lag_s: float = 5.0
     stale_settle_s: float = 5.0
+    # Processes that apply the ranks' steps, each owning whole jobs (tmd.daemon.shards);
+    # 0: the daemon's own process does.
+    shards: int = 0
 
     def validate(self) -> None:
         _check(
@@ -168,6 +171,7 @@ class IngestConfig:
         _check(0 < self.probe_interval_s <= 60, "ingest.probe_interval_s", "must be in (0, 60]")
         _check(self.stale_lag_s > 0, "ingest.stale_lag_s", "must be > 0")
         _check(self.stale_settle_s >= 0, "ingest.stale_settle_s", "must be >= 0")
+        _check(0 <= self.shards <= 64, "ingest.shards", "must be in 0..64")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,8 @@ def test_file_and_environment_overrides(tmp_path: Path) -> None:
         ({"mqtt": {"shared_group": "heads"}}, "mqtt.shared_group"),
         ({"mqtt": {"reconnect_min_s": 5.0, "reconnect_max_s": 1.0}}, "mqtt.reconnect_max_s"),
         ({"ingest": {"window_steps": 2}}, "ingest.window_steps"),
+        ({"ingest": {"shards": 65}}, "ingest.shards"),
+        ({"ingest": {"shards": -1}}, "ingest.shards"),
         ({"api": {"token": "a", "token_file": "/etc/hostname"}}, "api.token_file"),
         ({"log": {"level": "loud"}}, "log.level"),
         ({"mqttt": {}}, "mqttt"),

@@ -25,6 +25,7 @@ from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
 from tmd.daemon.journal import Journal
 from tmd.daemon.metrics import LOOP_STALL_S, Metrics
+from tmd.daemon.shards import OP_FORGET_JOB, Shards, frame
 from tmd.daemon.view import ClusterView
 from tmd.errors import JournalError
 from tmd.policies.base import Stragglers
@@ -108,9 +109,22 @@ class Daemon:
             clock=self.clock,
         )
         context = plugins.Context(view=self.view, clock=self.clock)
+        # With ingest shards, the detectors that read ranks run in them (on the jobs each
+        # owns), the rest here (``tmd.daemon.shards``).
+        self.shards: Shards | None = None
+        here = self.specs
+        if ing.shards:
+            sharded = [s for s in self.specs if getattr(s.factory, "reads_ranks", False)]
+            here = [s for s in self.specs if s not in sharded]
+            self.shards = Shards(
+                config=config, specs=sharded, metrics=self.metrics, view=self.view,
+                emit=self.emit,
+            )  # fmt: skip
+            self.ingest.shards = self.shards
+            self.view.on_forget_job = self._forget_in_shard
         self.runners = [
             plugins.Runner(s, context=context, bus=self.bus, metrics=self.metrics, emit=self.emit)
-            for s in self.specs
+            for s in here
         ]
         self.api = Api(
             config=config.api,
@@ -156,6 +170,8 @@ class Daemon:
 
     def health(self) -> dict[str, Any]:
         up = {r.spec.name: r.up for r in self.runners}
+        if self.shards is not None:
+            up.update(self.shards.plugins_up())
         lag_ok = self.loop_lag_s < LOOP_STALL_S
         return {
             "ok": self.ingest.connected and lag_ok,
@@ -172,6 +188,9 @@ class Daemon:
         try:
             await self.api.start()
             async with asyncio.TaskGroup() as tg:
+                if self.shards is not None:
+                    self.shards.start()  # before the first message is read
+                    tg.create_task(self.shards.wait_died(), name="shards")
                 tg.create_task(self.ingest.run(), name="ingest")
                 tg.create_task(self.ingest.probe(), name="probe")
                 for runner in self.runners:
@@ -190,6 +209,8 @@ class Daemon:
                 tg.create_task(self._housekeeping(), name="housekeeping")
         finally:
             sdnotify.stopping()
+            if self.shards is not None:
+                self.shards.stop()
             await self.api.stop()
             self.journal.close()
 
@@ -236,6 +257,10 @@ class Daemon:
         except JournalError as exc:
             self.metrics.journal_errors.inc()
             self.log.error("journal prune failed", error=str(exc))
+
+    def _forget_in_shard(self, job: str) -> None:
+        if self.shards is not None and self.shards.links:
+            self.shards.send(self.shards.owner(job), frame(OP_FORGET_JOB, job))
 
     def _on_bus_drop(self, subscriber: str) -> None:
         self.metrics.bus_dropped.labels(subscriber=subscriber).inc()

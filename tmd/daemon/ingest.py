@@ -20,7 +20,7 @@ import math
 import re
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import aiomqtt
 import msgspec
@@ -33,6 +33,16 @@ from tmd.daemon.bus import Bus
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.ranks import StepsApplied
+from tmd.daemon.shards import (
+    OP_CONNECTED,
+    OP_DISCONNECTED,
+    OP_LOST,
+    OP_MESSAGE,
+    OP_PROBE,
+    Shards,
+    frame,
+    owner,
+)
 from tmd.daemon.view import DOUBT_S, ClusterView
 from tmd.errors import ProtocolError, PublishError, TmdError
 
@@ -51,6 +61,21 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 
 _NUMBERED: Final = frozenset({"gpu", "node_iter", "iter"})  # each topic numbered apart
 _NODE_NUMBERED: Final = frozenset({"gpu", "node_iter"})  # by the machine's agent
+_SHARDED: Final = frozenset({"iter", "node_iter", "job_status"})  # passed to the shards
+
+
+class _RelayedJob(msgspec.Struct, frozen=True):
+    job: wire.Name
+
+
+class _RelayedHead(wire.Message, kw_only=True, frozen=True):
+    """What the head reads of a ``NodeIter`` when shards apply its steps: its machine's
+    part (its number, its GPU sample) and the names of its jobs, to route it by."""
+
+    node: wire.Name
+    jobs: Annotated[list[_RelayedJob], msgspec.Meta(min_length=1, max_length=wire.MAX_RELAYED_JOBS)]
+    gpu: wire.NodeGpu | None = None
+    seq: wire.Count | None = None
 
 
 class _SeqHeader(msgspec.Struct):
@@ -112,6 +137,10 @@ class Ingest:
         self.connected = False
         self._client_now: aiomqtt.Client | None = None
         self._lane_missing = False
+        # The head's shards (``tmd.daemon.shards``): where a job's steps go. None: here.
+        self.shards: Shards | None = None
+        # (index, count): this ingest is that shard's, fed frames by the head.
+        self.shard: tuple[int, int] | None = None
         # This daemon's lag probe, on a topic of its own (not shared with other heads).
         self.probe_topic = wire.probe_topic(f"d{secrets.token_hex(6)}")
         self._probe_nonce = secrets.token_hex(8)
@@ -148,6 +177,10 @@ class Ingest:
             )
             if len(payload) > limit:
                 raise ProtocolError("oversize", f"{len(payload)} bytes > {limit}")
+            if self.shards is not None and kind in _SHARDED:
+                self._route(kind, owner, topic, payload, now, retained=retained)
+                if kind != "job_status":
+                    return  # the job's status is the head's too
             if not payload and kind in ("node_status", "job_status"):
                 if kind == "job_status":
                     self._view.forget_job(owner)  # the job's retained status was cleared
@@ -235,16 +268,19 @@ class Ingest:
         only) and its columns line up."""
         if message.node != node or (message.gpu is not None and message.gpu.node != node):
             raise ProtocolError("mismatch", "node differs from the topic")
-        for relayed in message.jobs:
+        jobs = message.jobs
+        if self.shard is not None:  # the head took the machine's part
+            jobs = [r for r in jobs if owner(r.job, self.shard[1]) == self.shard[0]]
+        for relayed in jobs:
             relayed.check()
         view = self._view
-        if message.gpu is not None:
+        if message.gpu is not None and self.shard is None:
             self._metrics.samples_by[view.apply_gpu(message.gpu, now)].inc()
             if publish:
                 self._bus.publish(message.gpu)
         bus_wants = publish and self._bus.wants(wire.IterBatch)
         total = StepsApplied()  # counted once per message
-        for relayed in message.jobs:
+        for relayed in jobs:
             taken, refused = view.apply_relayed(relayed, node, now, total)
             for i, exc in refused:  # that rank's batch only: the others count
                 self._reject(wire.iter_topic(relayed.job, relayed.rank[i]), "node_iter", exc, now)
@@ -254,6 +290,35 @@ class Ingest:
                 for i in taken:
                     self._bus.publish(batches[i])
         self._count(total)
+
+    def _route(
+        self, kind: str, owner_: str, topic: str, payload: bytes, now: float, *, retained: bool
+    ) -> None:
+        """Pass a job's message to the shard that owns the job, as it came; an agent's
+        relayed message to the shard of each of its jobs, once its machine's part is
+        applied here (``_RelayedHead``)."""
+        shards = self.shards
+        assert shards is not None
+        data = frame(OP_MESSAGE, topic, payload, retained=retained)
+        if kind != "node_iter":  # a rank's steps, or its job's status (never dropped)
+            shards.send(shards.owner(owner_), data, kind="iter" if kind == "iter" else "")
+            return
+        head = wire.decode(payload, _RelayedHead)
+        if head.node != owner_ or (head.gpu is not None and head.gpu.node != owner_):
+            raise ProtocolError("mismatch", "node differs from the topic")
+        publish = not retained
+        if head.seq is not None and publish:
+            self._numbered(owner_, kind, None, head, now)
+        if head.gpu is not None:
+            self._metrics.samples_by[self._view.apply_gpu(head.gpu, now)].inc()
+            if publish:
+                self._bus.publish(head.gpu)
+        for shard in {shards.owner(j.job) for j in head.jobs}:
+            shards.send(shard, data, kind=kind)
+
+    def dump(self) -> bytes:
+        """What a benchmark's shard sends back when asked (``tmd.daemon.shards``)."""
+        return b""
 
     def _refused_numbered(
         self, owner: str, kind: str, rank: int | None, payload: bytes, now: float
@@ -277,8 +342,8 @@ class Ingest:
         again only from now (``Freshness.lost``; a rank's loss, its job's view only:
         ``JobView.lost_at``). Not judged under a shared subscription, where each head
         reads some of them."""
-        if self._mqtt.shared_group:
-            return
+        if self._mqtt.shared_group or (rank is None and self.shard is not None):
+            return  # a shard's machines' topics are numbered by its head
         view = self._view
         job_lost_at = -math.inf
         if rank is None:
@@ -307,6 +372,8 @@ class Ingest:
                     sender=where, lost=lost, settle_s=self._config.stale_settle_s,
                 )  # fmt: skip
             return
+        if self.shards is not None:
+            self.shards.broadcast(frame(OP_LOST))
         if self.freshness.lost(now):
             self._log.warning(
                 "messages lost on the way to this daemon: no finding of absence until "
@@ -345,6 +412,8 @@ class Ingest:
             # stale view, one far behind would keep it stale.
             return
         self.freshness.answered(sent, now)
+        if self.shards is not None:  # behind every message routed so far
+            self.shards.broadcast(frame(OP_PROBE, stamp=sent))
         self._metrics.ingest_lag.set(self.freshness.last_lag_s)
 
     async def probe(self) -> None:
@@ -367,8 +436,11 @@ class Ingest:
             if cancelling():  # a publish that swallowed the cancellation and returned
                 raise asyncio.CancelledError
             lag = self.freshness.lag_s(now)
+            stale = self.freshness.state(now) != "current"
+            if self.shards is not None:  # the view of ranks is theirs
+                lag, stale = max(lag, self.shards.lag_s), stale or self.shards.stale
             self._metrics.ingest_lag.set(lag if math.isfinite(lag) else -1.0)
-            self._metrics.view_stale.set(0 if self.freshness.state(now) == "current" else 1)
+            self._metrics.view_stale.set(1 if stale else 0)
             await asyncio.sleep(self._config.probe_interval_s)
 
     # -- the way out: the actuator's commands ------------------------------------------
@@ -405,6 +477,8 @@ class Ingest:
         self._client_now = None
         self._metrics.mqtt_connected.set(0)
         self.freshness.connection(False, self._clock.now())
+        if self.shards is not None:
+            self.shards.broadcast(frame(OP_DISCONNECTED))
 
     def _reads_inline(self) -> bool:
         """Whether messages are handled in the callback that reads them, QoS 0 ones
@@ -442,6 +516,8 @@ class Ingest:
                 raise SubscriptionRefused(f"broker refused the subscriptions: {refused}")
             self.freshness.connection(True, self._clock.now())
             self._view.restart_sequences()
+            if self.shards is not None:  # before any message of this session
+                self.shards.broadcast(frame(OP_CONNECTED))
             self.connected = True
             self._client_now = client
             self._metrics.mqtt_connects.inc()

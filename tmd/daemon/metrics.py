@@ -158,7 +158,7 @@ class ViewCollector(Collector):
         for name, doc, value in (
             ("tmd_view_jobs", "Jobs in the cluster view", len(view.jobs)),
             ("tmd_view_nodes", "Nodes in the cluster view", len(view.nodes)),
-            ("tmd_view_ranks", "Ranks in the cluster view", view.total_ranks),
+            ("tmd_view_ranks", "Ranks in the cluster view", view.reporting_ranks()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield from self._machines()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -167,6 +167,10 @@ class ClusterView:
         self.jobs: dict[str, JobView] = {}
         self.nodes: dict[str, NodeView] = {}
         self.total_ranks = 0  # reporting ranks (RankState), over all jobs
+        # The reporting ranks and steps held by the ingest shards (``tmd.daemon.shards``),
+        # as they last reported: a head's view holds its jobs' statuses, not their ranks.
+        self.elsewhere: tuple[int, int] = (0, 0)
+        self.on_forget_job: Callable[[str], None] | None = None  # the shards' too
         # What the jobs hold against ``max_ranks``: the sum of their ``held``.
         self.held_ranks = 0
         # Whether this view is current (``tmd.daemon.freshness``); a view fed directly
@@ -617,6 +621,8 @@ class ClusterView:
     # -- housekeeping and reading --------------------------------------------------------
 
     def forget_job(self, name: str) -> bool:
+        if self.on_forget_job is not None:
+            self.on_forget_job(name)
         job = self.jobs.pop(name, None)
         if job is None:
             return False
@@ -638,7 +644,13 @@ class ClusterView:
         self.held_ranks -= job.held
 
     def total_steps(self) -> int:
-        return sum(r.total_steps for j in self.jobs.values() for r in j.ranks.values())
+        """Rank-steps taken, here and in the ingest shards."""
+        here = sum(r.total_steps for j in self.jobs.values() for r in j.ranks.values())
+        return here + self.elsewhere[1]
+
+    def reporting_ranks(self) -> int:
+        """Ranks reporting, here and in the ingest shards."""
+        return self.total_ranks + self.elsewhere[0]
 
     def snapshot(self, now: float, *, job: str | None = None) -> dict[str, Any]:
         """A JSON-able picture for the API and ``tmd status``, without per-rank rows
@@ -648,7 +660,11 @@ class ClusterView:
             "ts": now,
             "jobs": [_job_json(j, now) for j in jobs],
             "nodes": [_node_json(n, now) for _, n in sorted(self.nodes.items())],
-            "totals": {"jobs": len(self.jobs), "nodes": len(self.nodes), "ranks": self.total_ranks},
+            "totals": {
+                "jobs": len(self.jobs),
+                "nodes": len(self.nodes),
+                "ranks": self.reporting_ranks(),
+            },
         }
 
 

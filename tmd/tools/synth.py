@@ -48,6 +48,17 @@ class SynthSpec:
     full_sample_every_s: float = AgentConfig.full_sample_every_s
     slow: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown (1.3 = +30%)
     seed: int = 0
+    # The ranks split into this many jobs of whole machines, ``{job}-0``, ``{job}-1``...
+    # (each numbering its ranks from 0; ``slow`` by the rank over all); 1: ``job`` alone.
+    jobs: int = 1
+
+    def job_size(self) -> int:
+        """Ranks in each job (the last may have fewer): whole machines."""
+        machines = -(-self.ranks // self.ranks_per_node)
+        return -(-machines // self.jobs) * self.ranks_per_node
+
+    def job_name(self, index: int) -> str:
+        return self.job if self.jobs == 1 else f"{self.job}-{index}"
 
 
 @dataclass
@@ -181,10 +192,14 @@ def publish(spec: SynthSpec, results: Any = None) -> SynthResult:
     rng = random.Random(spec.seed)
     members = [wire.Member(r, node_of(r, spec.ranks_per_node)) for r in range(spec.ranks)]
     t0 = time.time()
-    status = wire.JobStatus(
-        ts=t0, job=spec.job, generation=0, world_size=spec.ranks, members=members
-    )
-    client.publish(wire.job_topic(spec.job, "status"), wire.encode(status), qos=1, retain=True)
+    size = spec.job_size()
+    for j, first in enumerate(range(0, spec.ranks, size)):
+        mine = [wire.Member(m.rank - first, m.node) for m in members[first : first + size]]
+        status = wire.JobStatus(
+            ts=t0, job=spec.job_name(j), generation=0, world_size=len(mine), members=mine
+        )
+        topic = wire.job_topic(spec.job_name(j), "status")
+        client.publish(topic, wire.encode(status), qos=1, retain=True)
     client.flush()
     sender = _Sender(spec, client, rng, members, t0)
     start, cpu0 = time.monotonic(), time.process_time()
@@ -229,7 +244,12 @@ class _Sender:
         self.out = SynthResult()
         n = spec.ranks
         self.nodes = (n + spec.ranks_per_node - 1) // spec.ranks_per_node
-        self.iter_topics = [wire.iter_topic(spec.job, r) for r in range(n)]
+        # Each rank's job (by index, and its name) and its rank in it.
+        size = spec.job_size()
+        self.job_names = [spec.job_name(j) for j in range(-(-n // size))]
+        self.job_of = [self.job_names[r // size] for r in range(n)]
+        self.size = size
+        self.iter_topics = [wire.iter_topic(self.job_of[r], r % size) for r in range(n)]
         self.node_names = [
             node_of(i * spec.ranks_per_node, spec.ranks_per_node) for i in range(self.nodes)
         ]
@@ -273,8 +293,8 @@ class _Sender:
                 self.rank_seq[r] += 1  # numbered as the runtime numbers what it publishes
                 batch = wire.IterBatch(
                     ts=now,
-                    job=spec.job,
-                    rank=r,
+                    job=self.job_of[r],
+                    rank=r % self.size,
                     node=self.members[r].node,
                     steps=steps,
                     seq=self.rank_seq[r],
@@ -331,8 +351,10 @@ class _Sender:
             sample = self._sample(i, now, alone=alone) if spec.gpu_health else None
             if ranks:
                 # As the agent relays them (wire.RelayedBatches.of), made in place.
+                first_rank = ranks[0] - ranks[0] % self.size  # its job's (whole machines)
                 relayed = wire.RelayedBatches(
-                    job=spec.job, rank=ranks, ts=[now] * len(ranks), generation=[0] * len(ranks),
+                    job=self.job_of[ranks[0]], rank=[r - first_rank for r in ranks],
+                    ts=[now] * len(ranks), generation=[0] * len(ranks),
                     run=[None] * len(ranks), count=counts, step=step, end_ts=end_ts,
                     step_s=step_s, compute_s=compute_s, allreduce_s=allreduce_s,
                     optimizer_s=optimizer_s, data_s=data_s,

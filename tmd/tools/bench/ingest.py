@@ -31,6 +31,7 @@ import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, suppress
+from dataclasses import dataclass
 from itertools import accumulate
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
@@ -81,27 +82,35 @@ def behind_limit_s(*, flush_s: float, step_s: float) -> float:
     return MAX_BEHIND_FRACTION * min(flush_s, step_s)
 
 
-class BenchIngest(Ingest):
-    """The daemon's ingest, measured: the latency of every rank-step applied (step end
-    to applied, exact rather than histogram buckets), and with ``stock_iterator`` the
-    baseline: aiomqtt's stock iterator (a task per message) feeding the same handler."""
+@dataclass(frozen=True)
+class Offered:
+    """What a run offers the daemon, but its size: how the ranks publish, and how many
+    shards take them in (``ingest.shards``)."""
 
-    def __init__(self, daemon: Daemon, *, stock_iterator: bool) -> None:
-        super().__init__(
-            mqtt=daemon.config.mqtt,
-            config=daemon.config.ingest,
-            view=daemon.view,
-            bus=daemon.bus,
-            metrics=daemon.metrics,
-            clock=daemon.clock,
-        )
+    flush_s: float = 1.0
+    via: str = "direct"
+    relay_sample: bool = False
+    full_sample_every_s: float = config_mod.AgentConfig.full_sample_every_s
+    shards: int = 0
+    jobs: int = 1  # the ranks split into as many jobs (``SynthSpec.jobs``)
+
+
+class RecordingIngest(Ingest):
+    """The daemon's ingest, measured: the latency of every rank-step applied (step end
+    to applied, exact rather than histogram buckets). A shard's (``ingest.shards``)
+    sends them to the head when asked (``dump``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         # When each message's steps were applied, how many, and their ends, in flat
         # arrays (no object per message for the collector to walk): the latencies are
         # worked out after the run, so what the bench records costs the daemon little.
         self._at: array[float] = array("d")
         self._steps_of: array[int] = array("q")
         self._ends: array[float] = array("d")
-        self._stock_iterator = stock_iterator
+
+    def dump(self) -> bytes:
+        return self.latencies().tobytes()
 
     def latencies(self) -> npt.NDArray[np.float64]:
         """Every rank-step applied so far, its latency (``step_latencies``)."""
@@ -121,6 +130,22 @@ class BenchIngest(Ingest):
         super()._relayed_applied(relayed, taken, now)  # batches relayed by their agent
         self._record(relayed_ends(relayed, taken), now)
 
+
+class BenchIngest(RecordingIngest):
+    """The daemon's ingest, measured; with ``stock_iterator`` the baseline: aiomqtt's
+    stock iterator (a task per message) feeding the same handler."""
+
+    def __init__(self, daemon: Daemon, *, stock_iterator: bool) -> None:
+        super().__init__(
+            mqtt=daemon.config.mqtt,
+            config=daemon.config.ingest,
+            view=daemon.view,
+            bus=daemon.bus,
+            metrics=daemon.metrics,
+            clock=daemon.clock,
+        )
+        self._stock_iterator = stock_iterator
+
     def _reads_inline(self) -> bool:
         return not self._stock_iterator
 
@@ -134,16 +159,20 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _rss_mb() -> float:
-    """Resident memory now (ru_maxrss would be the peak of every run in this process)."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
+def _rss_mb(pids: Sequence[int] = ()) -> float:
+    """Resident memory now, this process's and those of ``pids`` (its shards): ru_maxrss
+    would be the peak of every run in this process."""
+    pages = 0
+    for pid in ("self", *pids):
+        with open(f"/proc/{pid}/statm") as f:
+            pages += int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
-def _cpu_s() -> float:
+def _cpu_s(pids: Sequence[int] = ()) -> float:
+    """CPU seconds this process and those of ``pids`` (its shards) used."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + sum(process_cpu_s(pid) or 0.0 for pid in pids)
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -158,7 +187,7 @@ def process_cpu_s(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def _config(host: str, port: int, ranks: int, state: str) -> config_mod.Config:
+def _config(host: str, port: int, ranks: int, state: str, shards: int) -> config_mod.Config:
     return config_mod.from_dict(
         {
             "mqtt": {"host": host, "port": port},
@@ -169,6 +198,7 @@ def _config(host: str, port: int, ranks: int, state: str) -> config_mod.Config:
                 "max_ranks": max(1 << 17, ranks),
                 "max_ranks_per_job": max(1 << 17, ranks),
                 "reject_log_interval_s": 5.0,
+                "shards": shards,
             },
         }
     )
@@ -210,32 +240,41 @@ async def _drain(daemon: Daemon, rank_steps: int) -> None:
 
 
 async def _measure(
-    *, host: str, port: int, ranks: int, seconds: float, flush_s: float, stock_iterator: bool,
-    via: str = "direct", relay_sample: bool = False, broker_pid: int | None = None,
-    full_sample_every_s: float = config_mod.AgentConfig.full_sample_every_s,
+    *, host: str, port: int, ranks: int, seconds: float, load: Offered, stock_iterator: bool,
+    broker_pid: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
+    flush_s, via = load.flush_s, load.via
+    relay_sample, full_sample_every_s = load.relay_sample, load.full_sample_every_s
     with tempfile.TemporaryDirectory(prefix="tmd-bench-") as state:
-        daemon = Daemon(_config(host, port, ranks, state))
+        daemon = Daemon(_config(host, port, ranks, state, load.shards))
         ingest = daemon.ingest = BenchIngest(daemon, stock_iterator=stock_iterator)
+        if daemon.shards is not None:  # the shards record what they apply
+            ingest.shards = daemon.shards
+            daemon.shards.ingest_class = f"{__name__}:RecordingIngest"
         task = asyncio.create_task(daemon.run())
         await asyncio.wait_for(daemon.ready.wait(), 30)
         decided = daemon.bus.subscribe("bench-decisions", (events.Finding, events.Decision))
         spec = synth.SynthSpec(
             host=host, port=port, job="bench", ranks=ranks, seconds=seconds, flush_s=flush_s,
             step_s=STEP_S, seed=1, via=via,  # type: ignore[arg-type]  # checked by main
-            relay_sample=relay_sample, full_sample_every_s=full_sample_every_s,
+            relay_sample=relay_sample, full_sample_every_s=full_sample_every_s, jobs=load.jobs,
         )  # fmt: skip
-        rss_before = _rss_mb()
-        cpu0, wall0, broker0 = _cpu_s(), time.monotonic(), process_cpu_s(broker_pid)
+        pids = [link.process.pid for link in daemon.shards.links] if daemon.shards else []
+        rss_before = _rss_mb(pids)
+        cpu0, wall0, broker0 = _cpu_s(pids), time.monotonic(), process_cpu_s(broker_pid)
         result, proc = await _publish(spec)
         await _drain(daemon, result.rank_steps)
-        cpu_s = _cpu_s() - cpu0
+        cpu_s = _cpu_s(pids) - cpu0
         wall_s = time.monotonic() - wall0
         broker1 = process_cpu_s(broker_pid)
         broker_cpu = None if broker0 is None or broker1 is None else broker1 - broker0
         proc.join(5)
         in_view = daemon.view.total_steps()
-        rss_after = _rss_mb()
+        rss_after = _rss_mb(pids)
+        latencies = ingest.latencies().tolist()
+        if daemon.shards is not None:
+            for dumped in await daemon.shards.dump():
+                latencies += np.frombuffer(dumped, np.float64).tolist()
         sample = daemon.metrics.registry.get_sample_value
         rejected = sum(
             sample("tmd_messages_rejected_total", {"reason": r}) or 0.0
@@ -244,13 +283,14 @@ async def _measure(
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
-        latencies = ingest.latencies().tolist()
         messages = result.messages
         return {
             "ranks": ranks,
             "via": via,
             "relay_sample": relay_sample if via == "agent" else None,
             "full_sample_every_s": full_sample_every_s,
+            "shards": load.shards,
+            "jobs": load.jobs,
             "nodes": len(daemon.view.nodes),
             "seconds": seconds,
             "flush_s": flush_s,
@@ -318,8 +358,8 @@ def holds(r: Mapping[str, Any]) -> bool:
 
 
 def _search(
-    host: str, port: int, start: int, start_holds: bool, seconds: float, flush_s: float,
-    via: str, relay_sample: bool, broker_pid: int | None, full_sample_every_s: float,
+    host: str, port: int, start: int, start_holds: bool, seconds: float, load: Offered,
+    broker_pid: int | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Double N from ``start`` until the target fails (halve it while it fails), then
     bisect to within 1/8; each run ``seconds`` long, as the one at ``start`` (a shorter
@@ -333,12 +373,9 @@ def _search(
                 port=port,
                 ranks=n,
                 seconds=seconds,
-                flush_s=flush_s,
+                load=load,
                 stock_iterator=False,
-                via=via,
-                relay_sample=relay_sample,
                 broker_pid=broker_pid,
-                full_sample_every_s=full_sample_every_s,
             )
         )
         keys = ("ranks", "loss", "p99_latency_s", "publisher_max_behind_s", "rss_mb",
@@ -413,6 +450,21 @@ def main(argv: list[str]) -> int:
         "sends it (agent.full_sample_every_s, default %(default)s); 0: every one in full",
     )
     p.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N ingest shard processes, each owning whole jobs (ingest.shards; default 0: "
+        "the daemon's own process)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="J",
+        help="the ranks split into J jobs of whole machines (default 1): shards own jobs",
+    )
+    p.add_argument(
         "--no-baseline", action="store_true", help="skip the stock-iterator baseline run"
     )
     p.add_argument(
@@ -424,6 +476,13 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not 0 <= args.full_sample_every_s <= 60:
         p.error("--full-sample-every-s must be in 0..60, as agent.full_sample_every_s")
+    if not 0 <= args.shards <= 64:
+        p.error("--shards must be in 0..64, as ingest.shards")
+    if not 1 <= args.jobs <= max(1, args.ranks // 8):
+        p.error("--jobs must be in 1..ranks/8 (a job is whole machines of 8 ranks)")
+    offered = Offered(flush_s=args.flush_s, via=args.via, relay_sample=args.relay_sample,
+                      full_sample_every_s=args.full_sample_every_s, shards=args.shards,
+                      jobs=args.jobs)  # fmt: skip
     log.setup(level="warning")  # on stderr: stdout carries the JSON alone
     load, progress = measure.Load(), Progress()
     with ExitStack() as stack:
@@ -441,12 +500,9 @@ def main(argv: list[str]) -> int:
                 port=port,
                 ranks=args.ranks,
                 seconds=args.seconds,
-                flush_s=args.flush_s,
+                load=offered,
                 stock_iterator=False,
-                via=args.via,
-                relay_sample=args.relay_sample,
                 broker_pid=broker_pid,
-                full_sample_every_s=args.full_sample_every_s,
             )
         )
         out["shortfalls"] = shortfalls(out)
@@ -459,12 +515,9 @@ def main(argv: list[str]) -> int:
                     port=port,
                     ranks=args.ranks,
                     seconds=args.seconds,
-                    flush_s=args.flush_s,
+                    load=offered,
                     stock_iterator=True,
-                    via=args.via,
-                    relay_sample=args.relay_sample,
                     broker_pid=broker_pid,
-                    full_sample_every_s=args.full_sample_every_s,
                 )
             )
             out["baseline_stock_iterator"] = base
@@ -472,9 +525,8 @@ def main(argv: list[str]) -> int:
             out["cpu_ratio_vs_iterator"] = None if ratio is None else round(ratio, 3)
         if args.search_max:
             progress.say("searching for the largest N that holds the target")
-            found = _search(host, port, args.ranks, out["holds_target"], args.seconds,
-                            args.flush_s, args.via, args.relay_sample, broker_pid,
-                            args.full_sample_every_s)  # fmt: skip
+            found = _search(host, port, args.ranks, out["holds_target"], args.seconds, offered,
+                            broker_pid)  # fmt: skip
             out.update(found)
     out["host_load"] = load.as_dict()
     json.dump(out, sys.stdout)

@@ -1,0 +1,91 @@
+"""Ingest shards (``ingest.shards``) as processes, against a real mosquitto: a cluster of
+two jobs, each owned by its own shard, through its agents (steps and GPU samples in
+one message per machine); a slow rank is found in its shard and acted on by the head;
+a shard that dies ends the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DaemonFactory
+from tests.helpers import eventually
+from tmd import config as config_mod
+from tmd.daemon.daemon import Daemon
+from tmd.daemon.shards import ShardDied, owner
+from tmd.tools import synth
+from tmd.tools.mosquitto import Mosquitto
+
+
+async def test_each_shard_takes_its_jobs_and_the_head_hears_their_findings(
+    broker: Mosquitto, start_daemon: DaemonFactory
+) -> None:
+    assert [owner(f"train-{j}", 2) for j in (0, 1)] == [1, 0]  # a job each
+    daemon = await start_daemon(broker, ingest={"shards": 2})
+    assert daemon.shards is not None
+    spec = synth.SynthSpec(
+        host=broker.host, port=broker.port, job="train", jobs=2, ranks=16, ranks_per_node=2,
+        step_s=0.05, flush_s=0.2, seconds=30, via="agent", relay_sample=True,
+        slow={13: 1.3},  # train-1's rank 5, on node-00006
+    )  # fmt: skip
+    proc, _ = synth.start(spec)
+    try:
+        rows = await eventually(lambda: daemon.journal.events(kind="StragglerFound"), timeout_s=40)
+        # Each shard holds the ranks of its own job, and no other.
+        reports = [link.report for link in daemon.shards.links]
+        assert all(r is not None and r.ranks == 8 for r in reports)
+        assert [set(r.jobs) for r in reports if r is not None] == [{"train-1"}, {"train-0"}]
+    finally:
+        proc.kill()
+        proc.join()
+    assert {(r.job, r.node) for r in rows} == {("train-1", "node-00006")}
+    # The head: every machine's GPU sample, the jobs' statuses, no rank of its own; the
+    # shards' counts in its /metrics, its plug-ins and theirs up.
+    view = daemon.view
+    assert len(view.nodes) == 8 and all(n.sample is not None for n in view.nodes.values())
+    assert set(view.jobs) == {"train-0", "train-1"}
+    assert view.total_ranks == 0 and view.reporting_ranks() == 16
+    value = daemon.metrics.registry.get_sample_value
+    assert value("tmd_view_ranks") == 16
+    assert (value("tmd_rank_steps_total", {"outcome": "accepted"}) or 0) > 16
+    assert value("tmd_messages_rejected_total", {"reason": "mismatch"}) == 0
+    assert (value("tmd_ingest_latency_seconds_count") or 0) > 0  # a batch each
+    health = daemon.health()
+    assert health["plugins"]["straggler"] and health["plugins"]["gpu_health"]
+    assert [r.spec.name for r in daemon.runners if r.spec.name == "straggler"] == []
+
+
+async def test_a_shard_that_dies_ends_the_daemon(broker: Mosquitto, tmp_path: Path) -> None:
+    """Its jobs' view died with it: the daemon fails, for systemd to restart it whole."""
+    raw = {
+        "mqtt": {"host": broker.host, "port": broker.port},
+        "api": {"port": 0},
+        "journal": {"path": str(tmp_path / "journal.sqlite3")},
+        "ingest": {"shards": 2},
+    }
+    daemon = Daemon(config_mod.from_dict(raw))
+    task = asyncio.create_task(daemon.run())
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 20)
+        assert daemon.shards is not None
+        pids = [link.process.pid for link in daemon.shards.links]
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(ExceptionGroup) as caught:
+            await asyncio.wait_for(task, 20)
+        assert caught.group_contains(ShardDied)
+        # The other shard ended with the daemon: no process left behind.
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        task.cancel()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
