@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,9 @@ async def test_each_shard_takes_its_jobs_and_the_head_hears_their_findings(
     view = daemon.view
     assert len(view.nodes) == 8 and all(n.sample is not None for n in view.nodes.values())
     assert set(view.jobs) == {"train-0", "train-1"}
+    jobs = view.snapshot(time.time())["jobs"]  # what the API and `tmd status` show
+    assert [(j["job"], j["reporting_ranks"]) for j in jobs] == [("train-0", 8), ("train-1", 8)]
+    assert all(j["step"] > 0 for j in jobs)
     assert view.total_ranks == 0 and view.reporting_ranks() == 16
     value = daemon.metrics.registry.get_sample_value
     assert value("tmd_view_ranks") == 16
@@ -59,20 +63,34 @@ async def test_each_shard_takes_its_jobs_and_the_head_hears_their_findings(
     assert [r.spec.name for r in daemon.runners if r.spec.name == "straggler"] == []
 
 
-async def test_a_shard_that_dies_ends_the_daemon(broker: Mosquitto, tmp_path: Path) -> None:
-    """Its jobs' view died with it: the daemon fails, for systemd to restart it whole."""
+async def test_a_stuck_shard_makes_the_view_stale_and_a_dead_one_ends_the_daemon(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    """A stop signal is the head's to handle, not a shard's; a shard that stops reporting
+    is behind, so the daemon's view is stale until it reports again; a shard that dies
+    took its jobs' view with it: the daemon fails, for systemd to restart it whole."""
     raw = {
         "mqtt": {"host": broker.host, "port": broker.port},
         "api": {"port": 0},
         "journal": {"path": str(tmp_path / "journal.sqlite3")},
-        "ingest": {"shards": 2},
-    }
+        "ingest": {"shards": 2, "probe_interval_s": 0.2, "stale_lag_s": 1.0,
+                   "stale_settle_s": 0.2},
+    }  # fmt: skip
     daemon = Daemon(config_mod.from_dict(raw))
     task = asyncio.create_task(daemon.run())
     try:
         await asyncio.wait_for(daemon.ready.wait(), 20)
         assert daemon.shards is not None
-        pids = [link.process.pid for link in daemon.shards.links]
+        links = daemon.shards.links
+        await eventually(lambda: daemon.health()["view"] == "current", timeout_s=20)
+        os.kill(links[0].process.pid, signal.SIGTERM)
+        os.kill(links[1].process.pid, signal.SIGSTOP)
+        await eventually(lambda: daemon.health()["view"] == "stale", timeout_s=10)
+        await eventually(lambda: daemon.metrics.registry.get_sample_value("tmd_view_stale") == 1)
+        os.kill(links[1].process.pid, signal.SIGCONT)
+        await eventually(lambda: daemon.health()["view"] == "current", timeout_s=10)
+        assert links[0].process.is_alive() and not task.done()
+        pids = [link.process.pid for link in links]
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(ExceptionGroup) as caught:
             await asyncio.wait_for(task, 20)

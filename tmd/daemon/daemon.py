@@ -14,7 +14,7 @@ import asyncio
 import gc
 from typing import Any, Final
 
-from tmd import detectors, log, policies, sdnotify
+from tmd import detectors, log, policies, sdnotify, wire
 from tmd.clock import Clock, SystemClock
 from tmd.config import Config
 from tmd.daemon import events, plugins, routes
@@ -122,6 +122,12 @@ class Daemon:
             )  # fmt: skip
             self.ingest.shards = self.shards
             self.view.on_forget_job = self._forget_in_shard
+            for spec in here:  # the ranks' steps never reach this process's bus
+                if spec.kind == "detectors" and wire.IterBatch in spec.factory.consumes:
+                    self.log.warning(
+                        "a detector that takes rank telemetry without reads_ranks = True "
+                        "sees none with ingest.shards", plugin=spec.name,
+                    )  # fmt: skip
         self.runners = [
             plugins.Runner(s, context=context, bus=self.bus, metrics=self.metrics, emit=self.emit)
             for s in here
@@ -170,14 +176,17 @@ class Daemon:
 
     def health(self) -> dict[str, Any]:
         up = {r.spec.name: r.up for r in self.runners}
+        view = self.view.freshness.state(self.clock.now())
         if self.shards is not None:
             up.update(self.shards.plugins_up())
+            if view == "current" and self.shards.stale():
+                view = "stale"  # the ranks' part of the view is behind
         lag_ok = self.loop_lag_s < LOOP_STALL_S
         return {
             "ok": self.ingest.connected and lag_ok,
             "mqtt": "connected" if self.ingest.connected else "disconnected",
             "loop_lag_s": round(self.loop_lag_s, 4),
-            "view": self.view.freshness.state(self.clock.now()),
+            "view": view,
             # Telemetry known lost on the way here: each settles the view anew.
             "messages_lost": sum(t.value for t in self.metrics.lost_by.values()),
             "plugins": up,

@@ -61,7 +61,6 @@ _TYPES: Final[dict[str, type[wire.Message]]] = {
 
 _NUMBERED: Final = frozenset({"gpu", "node_iter", "iter"})  # each topic numbered apart
 _NODE_NUMBERED: Final = frozenset({"gpu", "node_iter"})  # by the machine's agent
-_SHARDED: Final = frozenset({"iter", "node_iter", "job_status"})  # passed to the shards
 
 
 class _RelayedJob(msgspec.Struct, frozen=True):
@@ -141,6 +140,7 @@ class Ingest:
         self.shards: Shards | None = None
         # (index, count): this ingest is that shard's, fed frames by the head.
         self.shard: tuple[int, int] | None = None
+        self._owned: dict[str, bool] = {}
         # This daemon's lag probe, on a topic of its own (not shared with other heads).
         self.probe_topic = wire.probe_topic(f"d{secrets.token_hex(6)}")
         self._probe_nonce = secrets.token_hex(8)
@@ -170,6 +170,12 @@ class Ingest:
                 kind, owner, rank = classify(topic)
             finally:
                 self._metrics.received_by[kind].inc()
+            if self.shards is not None and kind == "iter":
+                # As it came, to its job's shard: checked there, where the rank's numbers
+                # are kept (a batch refused still arrived).
+                self.shards.send(self.shards.owner(owner), self._frame(topic, payload, retained),
+                                 kind=kind)  # fmt: skip
+                return
             limit = (
                 self._config.max_status_bytes
                 if kind == "job_status"
@@ -177,16 +183,17 @@ class Ingest:
             )
             if len(payload) > limit:
                 raise ProtocolError("oversize", f"{len(payload)} bytes > {limit}")
-            if self.shards is not None and kind in _SHARDED:
-                self._route(kind, owner, topic, payload, now, retained=retained)
-                if kind != "job_status":
-                    return  # the job's status is the head's too
             if not payload and kind in ("node_status", "job_status"):
                 if kind == "job_status":
                     self._view.forget_job(owner)  # the job's retained status was cleared
                 return
+            if self.shards is not None and kind == "node_iter":
+                self._route_relayed(owner, topic, payload, now, retained=retained)
+                return
             message = wire.decode(payload, _TYPES[kind])
             self._apply(kind, owner, rank, message, now, publish=not retained)
+            if self.shards is not None and kind == "job_status":  # for its ranks' view too
+                self.shards.send(self.shards.owner(owner), self._frame(topic, payload, retained))
         except ProtocolError as exc:
             if kind in _NUMBERED and not retained:
                 self._refused_numbered(owner, kind, rank, payload, now)
@@ -270,7 +277,7 @@ class Ingest:
             raise ProtocolError("mismatch", "node differs from the topic")
         jobs = message.jobs
         if self.shard is not None:  # the head took the machine's part
-            jobs = [r for r in jobs if owner(r.job, self.shard[1]) == self.shard[0]]
+            jobs = [r for r in jobs if self._owns(r.job)]
         for relayed in jobs:
             relayed.check()
         view = self._view
@@ -291,18 +298,20 @@ class Ingest:
                     self._bus.publish(batches[i])
         self._count(total)
 
-    def _route(
-        self, kind: str, owner_: str, topic: str, payload: bytes, now: float, *, retained: bool
+    @staticmethod
+    def _frame(topic: str, payload: bytes, retained: bool) -> bytes:
+        return frame(OP_MESSAGE, topic, payload, retained=retained)
+
+    def _route_relayed(
+        self, owner_: str, topic: str, payload: bytes, now: float, *, retained: bool
     ) -> None:
-        """Pass a job's message to the shard that owns the job, as it came; an agent's
-        relayed message to the shard of each of its jobs, once its machine's part is
-        applied here (``_RelayedHead``)."""
+        """An agent's relayed message, with ingest shards: its machine's part (its number,
+        its GPU sample) applied here, the message as it came to the shard of each of its
+        jobs (``_RelayedHead``). Each shard checks and applies its own jobs' batches
+        (in this process, one bad batch refuses the whole message)."""
         shards = self.shards
         assert shards is not None
-        data = frame(OP_MESSAGE, topic, payload, retained=retained)
-        if kind != "node_iter":  # a rank's steps, or its job's status (never dropped)
-            shards.send(shards.owner(owner_), data, kind="iter" if kind == "iter" else "")
-            return
+        kind = "node_iter"
         head = wire.decode(payload, _RelayedHead)
         if head.node != owner_ or (head.gpu is not None and head.gpu.node != owner_):
             raise ProtocolError("mismatch", "node differs from the topic")
@@ -313,8 +322,19 @@ class Ingest:
             self._metrics.samples_by[self._view.apply_gpu(head.gpu, now)].inc()
             if publish:
                 self._bus.publish(head.gpu)
+        data = self._frame(topic, payload, retained)
         for shard in {shards.owner(j.job) for j in head.jobs}:
             shards.send(shard, data, kind=kind)
+
+    def _owns(self, job: str) -> bool:
+        """Whether this shard owns ``job`` (``tmd.daemon.shards.owner``), remembered."""
+        found = self._owned.get(job)
+        if found is None:
+            assert self.shard is not None
+            if len(self._owned) >= 65536:  # names of jobs long gone
+                self._owned.clear()
+            found = self._owned[job] = owner(job, self.shard[1]) == self.shard[0]
+        return found
 
     def dump(self) -> bytes:
         """What a benchmark's shard sends back when asked (``tmd.daemon.shards``)."""
@@ -413,7 +433,7 @@ class Ingest:
             return
         self.freshness.answered(sent, now)
         if self.shards is not None:  # behind every message routed so far
-            self.shards.broadcast(frame(OP_PROBE, stamp=sent))
+            self.shards.broadcast(frame(OP_PROBE, stamp=sent), kind="probe")
         self._metrics.ingest_lag.set(self.freshness.last_lag_s)
 
     async def probe(self) -> None:
@@ -438,7 +458,7 @@ class Ingest:
             lag = self.freshness.lag_s(now)
             stale = self.freshness.state(now) != "current"
             if self.shards is not None:  # the view of ranks is theirs
-                lag, stale = max(lag, self.shards.lag_s), stale or self.shards.stale
+                lag, stale = max(lag, self.shards.lag_s()), stale or self.shards.stale()
             self._metrics.ingest_lag.set(lag if math.isfinite(lag) else -1.0)
             self._metrics.view_stale.set(1 if stale else 0)
             await asyncio.sleep(self._config.probe_interval_s)

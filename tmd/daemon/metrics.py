@@ -117,6 +117,13 @@ class _IngestCollector(Collector):
                 m.lost_by,
             ),
             (
+                "tmd_shard_dropped",
+                "Telemetry the daemon dropped rather than pass on to an ingest shard that"
+                " fell behind (ingest.shards), by kind of topic",
+                "kind",
+                m.dropped_by,
+            ),
+            (
                 "tmd_gpu_samples",
                 "GPU samples applied, by form: full; brief (each GPU's clock event reasons,"
                 " its counters and flags as in the last full one); unresolved (brief, that"
@@ -263,6 +270,7 @@ class Metrics:
         self.steps_by = {k: Tally() for k in ("accepted", "duplicate", "late")}
         self.lost_by = {k: Tally() for k in ("gpu", "node_iter", "iter")}
         self.samples_by = {k: Tally() for k in ("full", "brief", "unresolved")}
+        self.dropped_by = {k: Tally() for k in ("iter", "node_iter")}
         self.latency = FastHistogram(LATENCY_BUCKETS)
         r.register(_IngestCollector(self))
         self.mqtt_connected = Gauge(

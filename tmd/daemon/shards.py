@@ -1,8 +1,9 @@
 """Ingest shards: processes that each own whole jobs (``ingest.shards``).
 
-One core decodes and applies some 150,000 rank-steps a second. With ``ingest.shards
-= N`` (2 or more) the daemon runs N shard processes beside its own, and splits the
-work by job, as several head nodes would (DESIGN: each owns whole jobs):
+One process takes in the telemetry of 131,072 ranks with little to spare. With
+``ingest.shards = N`` (1 or more) the daemon runs N shard processes beside its own,
+and splits the work by job, as several head nodes would (DESIGN: each owns whole
+jobs):
 
 - The head (the daemon's process) keeps the one MQTT connection, the actuator, the
   policies, the API and the journal, and everything of machines: their statuses, GPU
@@ -26,21 +27,30 @@ work by job, as several head nodes would (DESIGN: each owns whole jobs):
 A job's owner is a stable hash of its name (``owner``): the same in every process
 and every run. Pipes carry the frames (``_HEADER``); a head never waits on a shard:
 what a shard cannot take yet waits in the head up to ``MAX_BACKLOG_BYTES``, past which
-it is dropped and counted lost (``tmd_messages_lost_total``), and the shard is told so
-its view settles anew, as for messages a broker drops. A shard that dies ends the
-daemon (systemd restarts it, as for any failure of its core); a head that dies ends
-its shards (their pipe closes).
+its telemetry is dropped (``tmd_shard_dropped_total``) until it catches up, and the
+shard is told so its view settles anew, as for messages a broker drops (``send``). A
+shard whose reports stop is behind: the head's view is stale. A shard that dies ends
+the daemon (systemd restarts it, as for any failure of its core); a head that dies
+ends its shards (their pipe closes); a stop signal is the head's to handle.
+
+Not the same as in one process: the API has no rank rows (the ranks are in the
+shards); an agent's relayed message is checked by part (its machine's here, each job's
+in its shard), not refused whole for one bad batch; ``ingest.max_ranks`` and
+``max_jobs`` bound each shard's view, and the head's (the jobs' statuses); plug-in
+metrics (``tmd_plugin_batch_seconds``...) are of the head's plug-ins only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import math
 import multiprocessing as mp
 import os
+import signal
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,11 +60,11 @@ import msgspec
 
 from tmd import log
 from tmd.clock import Clock, SystemClock
-from tmd.config import Config, MqttConfig
+from tmd.config import ApiConfig, Config, MqttConfig
 from tmd.daemon import events, plugins
 from tmd.daemon.bus import Bus
 from tmd.daemon.metrics import Metrics
-from tmd.daemon.view import ClusterView
+from tmd.daemon.view import ClusterView, JobView
 from tmd.errors import TmdError
 
 if TYPE_CHECKING:
@@ -111,7 +121,7 @@ class _Report(msgspec.Struct, array_like=True):
     stale: bool
     ranks: int
     total_steps: int
-    jobs: dict[str, float]  # its jobs' last reports (daemon time)
+    jobs: dict[str, tuple[float, int, int]]  # each job's last report, ranks, front step
     plugins: dict[str, bool]
 
 
@@ -190,9 +200,10 @@ class _Link:
     back: Connection  # what it sends back
     pending: bytearray = field(default_factory=bytearray)
     writing: bool = False
-    dropped: bool = False  # frames dropped since it was last told
+    dropping: bool = False  # its telemetry dropped (``Shards.send``) until it catches up
     inbox: bytearray = field(default_factory=bytearray)
     report: _Report | None = None
+    report_at: float = -math.inf  # when (the loop's clock) its last report came
     dumps: list[bytes] = field(default_factory=list)
 
     @property
@@ -230,8 +241,7 @@ class Shards:
         self._flush_soon: set[int] = set()
         self._died: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.lag_s = 0.0
-        self.stale = False
+        self.max_backlog_bytes = MAX_BACKLOG_BYTES
         self._dumped = asyncio.Event()
         self._owners: dict[str, int] = {}
 
@@ -259,7 +269,7 @@ class Shards:
             _big_pipe(back_w.fileno())
             process = ctx.Process(
                 target=shard_main,
-                args=(i, self._config, self._specs, to_r, back_w, self.ingest_class),
+                args=(i, self._shard_config(), self._specs, to_r, back_w, self.ingest_class),
                 name=f"tmd-shard-{i}",
                 daemon=True,
             )
@@ -274,6 +284,13 @@ class Shards:
         self._log.info("ingest shards started", shards=self.count,
                        pids=[link.process.pid for link in self.links])  # fmt: skip
 
+    def _shard_config(self) -> Config:
+        """The config a shard needs: no broker of its own, no API, so none of their
+        secrets (what a shard is handed could be read from its memory)."""
+        c = self._config
+        mqtt = MqttConfig(shared_group=c.mqtt.shared_group)
+        return dataclasses.replace(c, mqtt=mqtt, api=ApiConfig())
+
     async def wait_died(self) -> None:
         """Return never; raise ``ShardDied`` when a shard exits."""
         assert self._died is not None
@@ -283,17 +300,27 @@ class Shards:
 
     def send(self, shard: int, data: bytes, *, kind: str = "") -> None:
         """Queue ``data`` (a ``frame``) for ``shard``, written once this turn of the loop
-        is done. Past ``MAX_BACKLOG_BYTES`` waiting, a message is dropped and counted
-        lost (of ``kind``), and the shard told."""
+        is done. Once ``max_backlog_bytes`` wait for it, telemetry (``kind`` ``iter`` or
+        ``node_iter``, counted in ``tmd_shard_dropped_total``) and probes (``probe``: the
+        shard's view goes stale, not current over a gap) are dropped until half as much
+        waits; then the shard is told of the loss (``OP_LOST``), where the gap is, and
+        its view settles anew. Other frames (statuses, the connection's state) are never
+        dropped."""
         link = self.links[shard]
-        if len(link.pending) > MAX_BACKLOG_BYTES and kind:
-            link.dropped = True
-            self._metrics.lost_by[kind].inc()
-            return
-        if link.dropped and len(link.pending) < MAX_BACKLOG_BYTES // 2:
-            link.dropped = False
-            assert self._loop is not None
-            link.pending += frame(OP_LOST)
+        if kind:
+            waiting = len(link.pending)
+            if link.dropping and waiting >= self.max_backlog_bytes // 2:
+                self._dropped(kind)
+                return
+            if not link.dropping and waiting >= self.max_backlog_bytes:
+                link.dropping = True
+                self._log.warning("ingest shard behind: its telemetry is dropped until it "
+                                  "catches up", shard=shard, waiting_bytes=waiting)  # fmt: skip
+                self._dropped(kind)
+                return
+            if link.dropping:
+                link.dropping = False
+                link.pending += frame(OP_LOST)
         link.pending += data
         if shard not in self._flush_soon and not link.writing:
             if not self._flush_soon:
@@ -301,9 +328,13 @@ class Shards:
                 self._loop.call_soon(self._flush_all)
             self._flush_soon.add(shard)
 
-    def broadcast(self, data: bytes) -> None:
+    def _dropped(self, kind: str) -> None:
+        if kind in self._metrics.dropped_by:
+            self._metrics.dropped_by[kind].inc()
+
+    def broadcast(self, data: bytes, *, kind: str = "") -> None:
         for link in self.links:
-            self.send(link.index, data)
+            self.send(link.index, data, kind=kind)
 
     def _flush_all(self) -> None:
         shards, self._flush_soon = self._flush_soon, set()
@@ -362,8 +393,7 @@ class Shards:
     def _gone(self, link: _Link) -> None:
         assert self._loop is not None
         self._loop.remove_reader(link.in_fd)
-        link.process.join(1.0)
-        code = link.process.exitcode
+        code = link.process.exitcode  # None: its pipe closed first
         self._log.error("ingest shard exited", shard=link.index, exitcode=code)
         self._fail(link, f"ingest shard {link.index} exited ({code})")
 
@@ -375,8 +405,9 @@ class Shards:
 
     def _took(self, link: _Link, r: _Report) -> None:
         m = self._metrics
-        for got, tallies in ((r.received, m.received_by), (r.rejected, m.rejected_by),
-                             (r.steps, m.steps_by), (r.lost, m.lost_by)):  # fmt: skip
+        # Not what it received: the head counted each message it passed on.
+        for got, tallies in ((r.rejected, m.rejected_by), (r.steps, m.steps_by),
+                             (r.lost, m.lost_by)):  # fmt: skip
             for key, n in got.items():
                 if key in tallies:
                     tallies[key].inc(n)
@@ -385,16 +416,34 @@ class Shards:
             counts[i] += n
         m.latency.sum += r.latency_sum
         link.report = r
-        for name, seen in r.jobs.items():
-            job = self._view.jobs.get(name)
-            if job is not None and seen > job.last_seen:
-                job.last_seen = seen  # housekeeping forgets only jobs silent everywhere
+        assert self._loop is not None
+        link.report_at = self._loop.time()
+        for name, (seen, ranks, step) in r.jobs.items():
+            # Housekeeping forgets a job silent here and in its shard alike.
+            self._view.note_shard(name, seen, ranks, step)
         reports = [lk.report for lk in self.links if lk.report is not None]
         self._view.elsewhere = (sum(x.ranks for x in reports), sum(x.total_steps for x in reports))
-        self.lag_s = max(x.lag_s for x in reports)
-        self.stale = any(x.stale for x in reports)
         for name, up in self.plugins_up().items():
             m.plugin_up.labels(plugin=name).set(1 if up else 0)
+
+    def lag_s(self) -> float:
+        """How far behind the most behind shard's view is: its last report's lag, or
+        infinite for one that never measured one or whose report is overdue (a shard
+        wedged, or so busy it cannot report, is behind)."""
+        assert self._loop is not None
+        now, worst = self._loop.time(), 0.0
+        for link in self.links:
+            r = link.report
+            overdue = now - link.report_at > self._config.ingest.stale_lag_s
+            lag = math.inf if r is None or overdue or r.lag_s < 0 else r.lag_s
+            worst = max(worst, lag)
+        return worst
+
+    def stale(self) -> bool:
+        """Whether a shard's view is stale or settling (or its report overdue)."""
+        return not math.isfinite(self.lag_s()) or any(
+            lk.report is not None and lk.report.stale for lk in self.links
+        )
 
     def plugins_up(self) -> dict[str, bool]:
         """The shards' plug-ins: up where every shard last said so."""
@@ -443,12 +492,15 @@ def shard_main(index: int, config: Config, specs: list[plugins.Spec], inbound: C
                outbound: Connection, ingest_class: str) -> None:  # fmt: skip
     """A shard process: apply what the head sends, run the rank detectors, send back
     their findings and a report every ``REPORT_S``, until the head's pipe closes."""
+    # The head ends its shards (it closes their pipes): a stop signal to the whole
+    # group (systemd's, a terminal's ^C) is the head's to handle, not theirs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     log.setup(level=config.log.level, format=config.log.format)
     log.bind(shard=index)
     module, _, name = ingest_class.partition(":")
     cls = getattr(__import__(module, fromlist=[name]), name)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_Shard(index, config, specs, inbound, outbound, cls).run())
+    asyncio.run(_Shard(index, config, specs, inbound, outbound, cls).run())
 
 
 class _Shard:
@@ -468,10 +520,8 @@ class _Shard:
             same_gpu_model=config.actuator.same_gpu_type,
         )
         self.bus = Bus()
-        # No broker of its own: no credentials read, only how the head subscribes.
-        mqtt = MqttConfig(shared_group=config.mqtt.shared_group)
         self.ingest = ingest_class(
-            mqtt=mqtt, config=ing, view=self.view, bus=self.bus,
+            mqtt=config.mqtt, config=ing, view=self.view, bus=self.bus,
             metrics=self.metrics, clock=self.clock,
         )  # fmt: skip
         self.ingest.shard = (index, ing.shards)
@@ -567,11 +617,19 @@ class _Shard:
             stale=fresh.state(now) != "current",
             ranks=self.view.total_ranks,
             total_steps=self.view.total_steps(),
-            jobs={name: job.last_seen for name, job in self.view.jobs.items()},
+            jobs={n: (j.last_seen, len(j.ranks), _front(j)) for n, j in self.view.jobs.items()},
             plugins={r.spec.name: r.up for r in self.runners},
         )
         self.sent = counts
         return report
+
+
+def _front(job: JobView) -> int:
+    """The job's front step: its ranks' last, at most."""
+    cols = job.cols
+    if cols is None or not job.ranks:
+        return job.step
+    return int(cols.last_step[cols.in_use()].max())
 
 
 @dataclass

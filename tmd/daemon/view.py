@@ -62,6 +62,9 @@ class JobView:
     status_ts: float = 0.0
     held: int = 0
     """What the job counts against ``ingest.max_ranks`` (``ClusterView.held_ranks``)."""
+    shard: tuple[int, int] | None = None
+    """Its reporting ranks and their front step in its ingest shard, as last reported
+    (``ClusterView.note_shard``); None: its ranks are here."""
 
     def machines(self) -> dict[str, list[int]]:
         """The job's machines, each with its ranks in local-rank order: what acts on a
@@ -620,6 +623,19 @@ class ClusterView:
 
     # -- housekeeping and reading --------------------------------------------------------
 
+    def note_shard(self, name: str, last_seen: float, ranks: int, step: int) -> None:
+        """What the ingest shard that owns job ``name`` last said of it (``tmd.daemon
+        .shards``): when it last heard of the job, its reporting ranks and their front
+        step. A job known only from its ranks is known here so (as one is in-process,
+        past ``max_jobs`` not)."""
+        job = self.jobs.get(name)
+        if job is None:
+            if len(self.jobs) >= self.max_jobs:
+                return
+            job = self.jobs[name] = JobView(name)
+        job.last_seen = max(job.last_seen, last_seen)
+        job.shard = (ranks, step)
+
     def forget_job(self, name: str) -> bool:
         if self.on_forget_job is not None:
             self.on_forget_job(name)
@@ -725,6 +741,8 @@ def _job_json(j: JobView, now: float) -> dict[str, Any]:
         "generation": j.generation,
         "step": max((r.last_step for r in j.ranks.values()), default=j.step),
         "reporting_ranks": len(j.ranks),
+        # With ingest shards, its ranks are in one: as it last said (no rank rows here).
+        **({} if j.shard is None else {"reporting_ranks": j.shard[0], "step": j.shard[1]}),
         "standbys": [
             {"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "slots": s.slots}
             for s in j.standbys.values()

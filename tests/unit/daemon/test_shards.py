@@ -3,15 +3,28 @@ and what a shard's ingest takes of an agent's relayed message."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from collections import Counter
+from multiprocessing.connection import Connection
 
 from tests.fakes.clock import FakeClock
 from tmd import config, wire
 from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
 from tmd.daemon.metrics import Metrics
-from tmd.daemon.shards import OP_MESSAGE, OP_PROBE, frame, frames, owner
+from tmd.daemon.shards import (
+    OP_FORGET_JOB,
+    OP_LOST,
+    OP_MESSAGE,
+    OP_PROBE,
+    Shards,
+    _Link,
+    frame,
+    frames,
+    owner,
+)
 from tmd.daemon.view import ClusterView
 
 
@@ -78,3 +91,123 @@ def test_a_shard_applies_the_jobs_it_owns_and_leaves_the_machine_to_the_head() -
     assert value("tmd_messages_lost_total", {"kind": "node_iter"}) == 0
     assert value("tmd_rank_steps_total", {"outcome": "accepted"}) == 2
     assert value("tmd_rank_steps_total", {"outcome": "duplicate"}) == 2
+
+
+# -- the head's side, with pipes for shards (no processes) ------------------------------
+
+
+class _Pipes:
+    """A ``Shards`` of ``count`` links whose pipes the test reads (nothing else does)."""
+
+    def __init__(self, count: int, **ingest: object) -> None:
+        cfg = config.from_dict({"ingest": {"shards": count, **ingest}})
+        self.view, self.metrics = ClusterView(), Metrics()
+        self.shards = Shards(config=cfg, specs=[], metrics=self.metrics, view=self.view,
+                             emit=lambda event, source: None)  # fmt: skip
+        self.shards._loop = asyncio.get_running_loop()
+        self.readers = []
+        for i in range(count):
+            r, w = os.pipe()
+            back_r, back_w = os.pipe()
+            os.set_blocking(w, False)
+            os.set_blocking(r, False)
+            self.shards.links.append(_Link(i, None, Connection(w), Connection(back_r)))
+            self.readers.append((Connection(r), Connection(back_w)))
+        self.ingest = Ingest(mqtt=cfg.mqtt, config=cfg.ingest, view=self.view, bus=Bus(),
+                             metrics=self.metrics, clock=FakeClock(time.time()))  # fmt: skip
+        self.ingest.shards = self.shards
+        self.view.on_forget_job = lambda job: self.shards.send(
+            self.shards.owner(job), frame(OP_FORGET_JOB, job)
+        )
+        self.bufs = [bytearray() for _ in range(count)]
+
+    async def read(self, shard: int) -> list[tuple[int, bool, float, str, bytes]]:
+        """Every frame the head wrote for ``shard``, once it has nothing left waiting."""
+        fd, buf, link = self.readers[shard][0].fileno(), self.bufs[shard], self.shards.links[shard]
+        await asyncio.sleep(0)  # the flush the head does once this turn is done
+        while True:
+            try:
+                buf += os.read(fd, 1 << 20)
+                continue
+            except BlockingIOError:
+                pass
+            if not link.pending:
+                return frames(buf)
+            await asyncio.sleep(0.01)  # the head writes what waits as the pipe drains
+
+    def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for link in self.shards.links:
+            if link.writing:
+                loop.remove_writer(link.out_fd)
+            link.out.close()
+            link.back.close()
+        for r, w in self.readers:
+            r.close()
+            w.close()
+
+
+async def test_the_head_routes_each_job_to_its_shard_and_keeps_each_machine() -> None:
+    p = _Pipes(2)
+    try:
+        t = time.time()
+        a = next(f"j{i}" for i in range(100) if owner(f"j{i}", 2) == 0)
+        b = next(f"j{i}" for i in range(100) if owner(f"j{i}", 2) == 1)
+        handle = p.ingest.handle
+        # A job's status: the head's view, and its shard's.
+        status = wire.JobStatus(ts=t, job=a, generation=0, world_size=1,
+                                members=[wire.Member(0, "n")])  # fmt: skip
+        handle(wire.job_topic(a, "status"), wire.encode(status), retained=True)
+        # A rank's batch, as it came, even over the size limit (its shard checks it).
+        step = wire.StepTiming(1, t, 1.0, 0.6, 0.3, 0.05, 0.05)
+        batch = wire.IterBatch(ts=t, job=b, rank=3, node="m", seq=1, steps=[step])
+        big = wire.encode(batch)[:-1] + b" " * 300_000 + b"}"
+        handle(wire.iter_topic(b, 3), big)
+        # An agent's message with both jobs' batches and its GPU sample.
+        sample = wire.NodeGpu(ts=t, node="n", gpus=[wire.GpuSample(index=0)])
+        both = wire.NodeIter(ts=t, node="n", seq=1, gpu=sample,
+                             jobs=[_relayed(a, [0], t), _relayed(b, [0], t)])  # fmt: skip
+        handle(wire.node_topic("n", "iter"), wire.encode(both))
+        # The job's status cleared: its shard forgets it too.
+        handle(wire.job_topic(a, "status"), b"", retained=True)
+        got0, got1 = await p.read(0), await p.read(1)
+        assert [(op, topic) for op, _, _, topic, _ in got0] == [
+            (OP_MESSAGE, wire.job_topic(a, "status")),
+            (OP_MESSAGE, wire.node_topic("n", "iter")),
+            (OP_FORGET_JOB, a),
+        ]
+        assert got0[0][1] is True  # retained
+        assert [(op, topic, len(data)) for op, _, _, topic, data in got1] == [
+            (OP_MESSAGE, wire.iter_topic(b, 3), len(big)),
+            (OP_MESSAGE, wire.node_topic("n", "iter"), len(wire.encode(both))),
+        ]
+        # The head: the machine's sample and number, no rank of its own.
+        assert p.view.nodes["n"].sample is not None and p.view.total_ranks == 0
+        assert a not in p.view.jobs
+        value = p.metrics.registry.get_sample_value
+        assert value("tmd_messages_received_total", {"kind": "node_iter"}) == 1
+        assert value("tmd_messages_rejected_total", {"reason": "oversize"}) == 0
+    finally:
+        p.close()
+
+
+async def test_a_shard_that_falls_behind_loses_telemetry_not_statuses_and_is_told_where() -> None:
+    """Past its backlog, a shard's telemetry and probes are dropped (counted) until half
+    of it is written; then ``OP_LOST`` comes where the gap is, before what follows."""
+    p = _Pipes(1)
+    try:
+        shards = p.shards
+        shards.max_backlog_bytes = 4096
+        msg = frame(OP_MESSAGE, "tmd/v1/job/j/rank/0/iter", b"x" * 1000)
+        for _ in range(5):  # in one turn of the loop, so nothing written yet: the 5th over
+            shards.send(0, msg, kind="iter")
+        shards.send(0, frame(OP_PROBE, stamp=1.0), kind="probe")  # dropped too
+        shards.send(0, frame(OP_MESSAGE, "tmd/v1/job/j/status", b"{}"))  # never dropped
+        assert p.metrics.registry.get_sample_value("tmd_shard_dropped_total", {"kind": "iter"}) == 1
+        got = await p.read(0)  # written and read: the shard caught up
+        shards.send(0, msg, kind="iter")
+        got += await p.read(0)
+        assert [op for op, *_ in got] == [OP_MESSAGE] * 5 + [OP_LOST, OP_MESSAGE]
+        assert got[4][3] == "tmd/v1/job/j/status"
+    finally:
+        p.close()

@@ -262,9 +262,11 @@ async def _measure(
         pids = [link.process.pid for link in daemon.shards.links] if daemon.shards else []
         rss_before = _rss_mb(pids)
         cpu0, wall0, broker0 = _cpu_s(pids), time.monotonic(), process_cpu_s(broker_pid)
+        head0 = _cpu_s()
         result, proc = await _publish(spec)
         await _drain(daemon, result.rank_steps)
         cpu_s = _cpu_s(pids) - cpu0
+        head_s = _cpu_s() - head0
         wall_s = time.monotonic() - wall0
         broker1 = process_cpu_s(broker_pid)
         broker_cpu = None if broker0 is None or broker1 is None else broker1 - broker0
@@ -313,6 +315,8 @@ async def _measure(
             "rss_before_mb": round(rss_before, 1),
             "cpu_s": round(cpu_s, 2),
             "cpu_fraction": round(cpu_s / wall_s, 3),
+            # Of which the daemon's own process (with shards: the rest is theirs).
+            "head_cpu_fraction": round(head_s / wall_s, 3),
             # Where the rest of the machine went: the load generator over its own run,
             # the broker over the daemon's (None: a broker this bench did not start).
             "publisher_cpu_fraction": round(result.cpu_s / max(1e-9, result.elapsed_s), 3),
