@@ -429,7 +429,9 @@ def rows() -> list[tuple[str, list[Json]]]:
                 " reference): version (a sender newer than the daemon), rank, schema, json,"
                 " value, mismatch, limit (the view's caps), internal (a bug). And telemetry"
                 " lost on the way (gaps in its senders' sequence numbers: the broker"
-                " drops what a daemon that lags cannot take; TmdMessagesLost).",
+                " drops what a daemon that lags cannot take; TmdMessagesLost), and"
+                " telemetry the daemon dropped for an ingest shard that fell behind"
+                " (ingest.shards).",
                 _target(
                     f"sum by (reason) (rate(tmd_messages_rejected_total{{{SEL}}}[{RATE}]))",
                     "{{reason}}",
@@ -437,6 +439,10 @@ def rows() -> list[tuple[str, list[Json]]]:
                 _target(
                     f"sum by (kind) (rate(tmd_messages_lost_total{{{SEL}}}[{RATE}]))",
                     "lost: {{kind}}",
+                ),
+                _target(
+                    f"sum by (kind) (rate(tmd_shard_dropped_total{{{SEL}}}[{RATE}]))",
+                    "dropped for a shard: {{kind}}",
                 ),
                 unit="count:msg/s",
                 thresholds=[("green", None), ("red", 0.001)],
