@@ -590,7 +590,8 @@ def decoder_for(kind: Any) -> msgspec.json.Decoder[Any]:
 
 
 def decode(data: bytes, kind: Any) -> Any:
-    """Decode ``data`` as ``kind`` (a Struct type or the ``Control`` union).
+    """Decode ``data`` as ``kind`` (a Struct type or the ``Control`` union; or a part of
+    a message, ``RelayedBatches`` say, which carries no version of its own).
 
     Raises ProtocolError with reason ``json`` (not JSON), ``version`` (``v`` is not
     1), ``schema`` (missing field, wrong type) or ``value`` (out of range, bad name,
@@ -607,7 +608,7 @@ def decode(data: bytes, kind: Any) -> Any:
         text = str(exc)
         reason = "schema" if ("missing required field" in text or ", got `" in text) else "value"
         raise ProtocolError(reason, text) from None
-    if message.v != VERSION:
+    if isinstance(message, Message) and message.v != VERSION:  # not a part of one
         raise ProtocolError("version", f"unsupported schema version {message.v!r}")
     return message
 

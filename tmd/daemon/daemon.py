@@ -25,7 +25,7 @@ from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
 from tmd.daemon.journal import Journal
 from tmd.daemon.metrics import LOOP_STALL_S, Metrics
-from tmd.daemon.shards import OP_FORGET_JOB, Shards, frame
+from tmd.daemon.shards import Shards
 from tmd.daemon.view import ClusterView
 from tmd.errors import JournalError
 from tmd.policies.base import Stragglers
@@ -118,10 +118,10 @@ class Daemon:
             here = [s for s in self.specs if s not in sharded]
             self.shards = Shards(
                 config=config, specs=sharded, metrics=self.metrics, view=self.view,
-                emit=self.emit,
+                emit=self.emit, clock=self.clock,
             )  # fmt: skip
             self.ingest.shards = self.shards
-            self.view.on_forget_job = self._forget_in_shard
+            self.view.on_forget_job = self.shards.forget
             for spec in here:  # the ranks' steps never reach this process's bus
                 if spec.kind == "detectors" and wire.IterBatch in spec.factory.consumes:
                     self.log.warning(
@@ -266,10 +266,6 @@ class Daemon:
         except JournalError as exc:
             self.metrics.journal_errors.inc()
             self.log.error("journal prune failed", error=str(exc))
-
-    def _forget_in_shard(self, job: str) -> None:
-        if self.shards is not None and self.shards.links:
-            self.shards.send(self.shards.owner(job), frame(OP_FORGET_JOB, job))
 
     def _on_bus_drop(self, subscriber: str) -> None:
         self.metrics.bus_dropped.labels(subscriber=subscriber).inc()

@@ -67,6 +67,15 @@ class _RelayedJob(msgspec.Struct, frozen=True):
     job: wire.Name
 
 
+class _RelayedJobs(wire.Message, kw_only=True, frozen=True):
+    """What a shard reads of a ``NodeIter`` at first: its jobs, each as it came, so it
+    decodes (and checks) only its own, the head having taken its machine's part."""
+
+    node: wire.Name
+    jobs: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1, max_length=wire.MAX_RELAYED_JOBS)]
+    seq: wire.Count | None = None
+
+
 class _RelayedHead(wire.Message, kw_only=True, frozen=True):
     """What the head reads of a ``NodeIter`` when shards apply its steps: its machine's
     part (its number, its GPU sample) and the names of its jobs, to route it by."""
@@ -189,6 +198,9 @@ class Ingest:
                 return
             if self.shards is not None and kind == "node_iter":
                 self._route_relayed(owner, topic, payload, now, retained=retained)
+                return
+            if self.shard is not None and kind == "node_iter":
+                self._apply_own_relayed(owner, payload, now, publish=not retained)
                 return
             message = wire.decode(payload, _TYPES[kind])
             self._apply(kind, owner, rank, message, now, publish=not retained)
@@ -325,6 +337,25 @@ class Ingest:
         data = self._frame(topic, payload, retained)
         for shard in {shards.owner(j.job) for j in head.jobs}:
             shards.send(shard, data, kind=kind)
+
+    def _apply_own_relayed(self, node: str, payload: bytes, now: float, *, publish: bool) -> None:
+        """A shard's part of an agent's relayed message: the batches of the jobs it owns,
+        each decoded and checked apart (another shard's job, good or bad, is not its
+        to judge; one of its own that is bad is refused, once, and the rest applied)."""
+        envelope = wire.decode(payload, _RelayedJobs)
+        jobs, refused = [], None
+        for raw in envelope.jobs:
+            try:
+                if not self._owns(wire.decode(raw, _RelayedJob).job):
+                    continue
+                jobs.append(wire.decode(raw, wire.RelayedBatches))
+            except ProtocolError as exc:
+                refused = exc
+        if jobs:
+            message = wire.NodeIter(ts=envelope.ts, node=envelope.node, jobs=jobs, seq=envelope.seq)
+            self._apply("node_iter", node, None, message, now, publish=publish)
+        if refused is not None:
+            raise refused
 
     def _owns(self, job: str) -> bool:
         """Whether this shard owns ``job`` (``tmd.daemon.shards.owner``), remembered."""

@@ -35,9 +35,13 @@ ends its shards (their pipe closes); a stop signal is the head's to handle.
 
 Not the same as in one process: the API has no rank rows (the ranks are in the
 shards); an agent's relayed message is checked by part (its machine's here, each job's
-in its shard), not refused whole for one bad batch; ``ingest.max_ranks`` and
-``max_jobs`` bound each shard's view, and the head's (the jobs' statuses); plug-in
-metrics (``tmd_plugin_batch_seconds``...) are of the head's plug-ins only.
+in the shard that owns it), not refused whole for one bad job; ``ingest.max_ranks``
+and ``max_jobs`` bound each shard's view, and the head's (the jobs' statuses, where a
+job known only from a shard's report gives way to one with a status); plug-in metrics
+(``tmd_plugin_batch_seconds``...) are of the head's plug-ins only; and the actuator
+waits for the head's own view to be current, not for the shards' (a stale shard finds
+no absence, but a straggler it found is acted on: ``/healthz`` and ``tmd_view_stale``
+say when a shard is behind).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ OP_PROBE: Final = 3  # stamp: the probe's send time, read back by the head
 OP_LOST: Final = 4  # stamp: when the head found a loss (or dropped the shard's own)
 OP_FORGET_JOB: Final = 5  # topic: the job's name
 OP_DUMP: Final = 6  # the shard sends what ``dump`` gives (benchmarks)
+OP_DROPPED: Final = 7  # the head dropped telemetry for it here (``Shards.send``)
 
 # Shard -> head: a 4-byte length, then a msgpack array (``_Out``).
 _LEN: Final = struct.Struct("<I")
@@ -109,9 +114,9 @@ class ShardDied(TmdError):
 
 
 class _Report(msgspec.Struct, array_like=True):
-    """What a shard counted since its last report, and where it stands."""
+    """What a shard counted since its last report (not what it received: the head
+    counts each message it passes on), and where it stands."""
 
-    received: dict[str, int]
     rejected: dict[str, int]
     steps: dict[str, int]
     lost: dict[str, int]
@@ -227,6 +232,7 @@ class Shards:
         metrics: Metrics,
         view: ClusterView,
         emit: Callable[[events.Event, str], None],
+        clock: Clock,
         ingest_class: str = "tmd.daemon.ingest:Ingest",
     ) -> None:
         self.count = config.ingest.shards
@@ -235,6 +241,7 @@ class Shards:
         self._metrics = metrics
         self._view = view
         self._emit = emit
+        self._clock = clock
         self.ingest_class = ingest_class
         self._log = log.get("shards")
         self.links: list[_Link] = []
@@ -244,6 +251,7 @@ class Shards:
         self.max_backlog_bytes = MAX_BACKLOG_BYTES
         self._dumped = asyncio.Event()
         self._owners: dict[str, int] = {}
+        self._forgot: dict[str, float] = {}  # job -> when the head forgot it
 
     def owner(self, job: str) -> int:
         """``owner(job, count)``, remembered (it is asked for every message)."""
@@ -303,9 +311,12 @@ class Shards:
         is done. Once ``max_backlog_bytes`` wait for it, telemetry (``kind`` ``iter`` or
         ``node_iter``, counted in ``tmd_shard_dropped_total``) and probes (``probe``: the
         shard's view goes stale, not current over a gap) are dropped until half as much
-        waits; then the shard is told of the loss (``OP_LOST``), where the gap is, and
-        its view settles anew. Other frames (statuses, the connection's state) are never
+        waits; then the shard is told of the loss (``OP_DROPPED``), where the gap is: its
+        view settles anew, and its ranks' numbers start over (the gap is counted here,
+        not again as lost). Other frames (statuses, the connection's state) are never
         dropped."""
+        if not self.links:
+            return  # stopped
         link = self.links[shard]
         if kind:
             waiting = len(link.pending)
@@ -320,7 +331,7 @@ class Shards:
                 return
             if link.dropping:
                 link.dropping = False
-                link.pending += frame(OP_LOST)
+                link.pending += frame(OP_DROPPED)
         link.pending += data
         if shard not in self._flush_soon and not link.writing:
             if not self._flush_soon:
@@ -338,6 +349,8 @@ class Shards:
 
     def _flush_all(self) -> None:
         shards, self._flush_soon = self._flush_soon, set()
+        if not self.links:
+            return  # stopped
         for i in shards:
             self._flush(self.links[i])
 
@@ -418,9 +431,16 @@ class Shards:
         link.report = r
         assert self._loop is not None
         link.report_at = self._loop.time()
+        now, after = self._clock.now(), self._config.ingest.forget_after_s
         for name, (seen, ranks, step) in r.jobs.items():
-            # Housekeeping forgets a job silent here and in its shard alike.
+            forgot = self._forgot.get(name)
+            if forgot is not None and seen <= forgot:
+                continue  # a report made before its shard forgot it too
+            if now - seen > after:
+                continue  # silent: forgotten here (housekeeping), and soon there
             self._view.note_shard(name, seen, ranks, step)
+        for name in [n for n, t in self._forgot.items() if now - t > REPORT_S * 20 + after]:
+            del self._forgot[name]
         reports = [lk.report for lk in self.links if lk.report is not None]
         self._view.elsewhere = (sum(x.ranks for x in reports), sum(x.total_steps for x in reports))
         for name, up in self.plugins_up().items():
@@ -444,6 +464,13 @@ class Shards:
         return not math.isfinite(self.lag_s()) or any(
             lk.report is not None and lk.report.stale for lk in self.links
         )
+
+    def forget(self, job: str) -> None:
+        """The head forgot ``job`` (its status cleared, the API): its shard forgets it too,
+        and what its reports said of it before they know is not taken up again."""
+        if self.links:
+            self._forgot[job] = self._clock.now()
+            self.send(self.owner(job), frame(OP_FORGET_JOB, job))
 
     def plugins_up(self) -> dict[str, bool]:
         """The shards' plug-ins: up where every shard last said so."""
@@ -585,6 +612,9 @@ class _Shard:
                 fresh.connection(False, self.clock.now())
             elif op == OP_LOST:
                 fresh.lost(self.clock.now())
+            elif op == OP_DROPPED:  # counted by the head: not a gap in the ranks' numbers
+                fresh.lost(self.clock.now())
+                self.view.restart_sequences()
             elif op == OP_FORGET_JOB:
                 self.view.forget_job(topic)
             elif op == OP_DUMP:
@@ -607,7 +637,6 @@ class _Shard:
         lag = fresh.lag_s(now)
         counts = _Counts.of(m)
         report = _Report(
-            received=_delta(counts.received, sent.received),
             rejected=_delta(counts.rejected, sent.rejected),
             steps=_delta(counts.steps, sent.steps),
             lost=_delta(counts.lost, sent.lost),
@@ -634,7 +663,6 @@ def _front(job: JobView) -> int:
 
 @dataclass
 class _Counts:
-    received: dict[str, int]
     rejected: dict[str, int]
     steps: dict[str, int]
     lost: dict[str, int]
@@ -646,7 +674,7 @@ class _Counts:
         def values(tallies: dict[str, Any]) -> dict[str, int]:
             return {k: t.value for k, t in tallies.items()}
 
-        return cls(values(m.received_by), values(m.rejected_by), values(m.steps_by),
+        return cls(values(m.rejected_by), values(m.steps_by),
                    values(m.lost_by), list(m.latency.counts), m.latency.sum)  # fmt: skip
 
 

@@ -518,7 +518,7 @@ class ClusterView:
     def _job(self, name: str, now: float) -> JobView:
         job = self.jobs.get(name)
         if job is None:
-            if len(self.jobs) >= self.max_jobs:
+            if len(self.jobs) >= self.max_jobs and not self._make_room():
                 raise ProtocolError("limit", f"more than {self.max_jobs} jobs (ingest.max_jobs)")
             job = self.jobs[name] = JobView(name)
         job.last_seen = now
@@ -622,6 +622,15 @@ class ClusterView:
         return out
 
     # -- housekeeping and reading --------------------------------------------------------
+
+    def _make_room(self) -> bool:
+        """Drop a job known only from an ingest shard's report (no status, no rank
+        here) for one this view takes in itself; False: none."""
+        for name, job in self.jobs.items():
+            if job.shard is not None and not job.status_ts and not job.ranks:
+                self._forgotten(self.jobs.pop(name))
+                return True
+        return False
 
     def note_shard(self, name: str, last_seen: float, ranks: int, step: int) -> None:
         """What the ingest shard that owns job ``name`` last said of it (``tmd.daemon

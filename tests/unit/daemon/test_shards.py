@@ -15,12 +15,14 @@ from tmd.daemon.bus import Bus
 from tmd.daemon.ingest import Ingest
 from tmd.daemon.metrics import Metrics
 from tmd.daemon.shards import (
+    OP_DROPPED,
     OP_FORGET_JOB,
-    OP_LOST,
     OP_MESSAGE,
     OP_PROBE,
     Shards,
     _Link,
+    _Report,
+    _Shard,
     frame,
     frames,
     owner,
@@ -102,8 +104,9 @@ class _Pipes:
     def __init__(self, count: int, **ingest: object) -> None:
         cfg = config.from_dict({"ingest": {"shards": count, **ingest}})
         self.view, self.metrics = ClusterView(), Metrics()
+        self.clock = FakeClock(time.time())
         self.shards = Shards(config=cfg, specs=[], metrics=self.metrics, view=self.view,
-                             emit=lambda event, source: None)  # fmt: skip
+                             emit=lambda event, source: None, clock=self.clock)  # fmt: skip
         self.shards._loop = asyncio.get_running_loop()
         self.readers = []
         for i in range(count):
@@ -114,11 +117,9 @@ class _Pipes:
             self.shards.links.append(_Link(i, None, Connection(w), Connection(back_r)))
             self.readers.append((Connection(r), Connection(back_w)))
         self.ingest = Ingest(mqtt=cfg.mqtt, config=cfg.ingest, view=self.view, bus=Bus(),
-                             metrics=self.metrics, clock=FakeClock(time.time()))  # fmt: skip
+                             metrics=self.metrics, clock=self.clock)  # fmt: skip
         self.ingest.shards = self.shards
-        self.view.on_forget_job = lambda job: self.shards.send(
-            self.shards.owner(job), frame(OP_FORGET_JOB, job)
-        )
+        self.view.on_forget_job = self.shards.forget
         self.bufs = [bytearray() for _ in range(count)]
 
     async def read(self, shard: int) -> list[tuple[int, bool, float, str, bytes]]:
@@ -199,15 +200,109 @@ async def test_a_shard_that_falls_behind_loses_telemetry_not_statuses_and_is_tol
         shards = p.shards
         shards.max_backlog_bytes = 4096
         msg = frame(OP_MESSAGE, "tmd/v1/job/j/rank/0/iter", b"x" * 1000)
+        link = shards.links[0]
+        dropped = lambda: p.metrics.registry.get_sample_value(  # noqa: E731
+            "tmd_shard_dropped_total", {"kind": "iter"}
+        )
         for _ in range(5):  # in one turn of the loop, so nothing written yet: the 5th over
             shards.send(0, msg, kind="iter")
         shards.send(0, frame(OP_PROBE, stamp=1.0), kind="probe")  # dropped too
         shards.send(0, frame(OP_MESSAGE, "tmd/v1/job/j/status", b"{}"))  # never dropped
-        assert p.metrics.registry.get_sample_value("tmd_shard_dropped_total", {"kind": "iter"}) == 1
+        assert dropped() == 1
+        del link.pending[: len(msg)]  # one written: still more than half the backlog waits
+        shards.send(0, msg, kind="iter")
+        assert dropped() == 2
         got = await p.read(0)  # written and read: the shard caught up
         shards.send(0, msg, kind="iter")
         got += await p.read(0)
-        assert [op for op, *_ in got] == [OP_MESSAGE] * 5 + [OP_LOST, OP_MESSAGE]
-        assert got[4][3] == "tmd/v1/job/j/status"
+        assert [op for op, *_ in got] == [OP_MESSAGE] * 4 + [OP_DROPPED, OP_MESSAGE]
+        assert got[3][3] == "tmd/v1/job/j/status"
+    finally:
+        p.close()
+
+
+def test_a_relayed_message_with_a_bad_job_is_refused_by_that_jobs_shard_alone() -> None:
+    """Each shard decodes and judges its own jobs: the other job's batches are applied,
+    and the message is counted refused once."""
+    a = next(f"j{i}" for i in range(100) if owner(f"j{i}", 2) == 0)
+    b = next(f"j{i}" for i in range(100) if owner(f"j{i}", 2) == 1)
+    t = time.time()
+    good, bad = _relayed(a, [0], t), _relayed(b, [0], t)
+    payload = wire.encode(wire.NodeIter(ts=t, node="n", seq=1, jobs=[good, bad]))
+    payload = payload.replace(b'"step_s":[1.0]', b'"step_s":[-1.0]', 2)  # both: b's is last
+    payload = payload.replace(b'"step_s":[-1.0]', b'"step_s":[1.0]', 1)  # a's good again
+    held, refused = [], 0.0
+    for index in (0, 1):
+        view, metrics = ClusterView(), Metrics()
+        cfg = config.from_dict({})
+        ingest = Ingest(mqtt=cfg.mqtt, config=cfg.ingest, view=view, bus=Bus(), metrics=metrics,
+                        clock=FakeClock(t))  # fmt: skip
+        ingest.shard = (index, 2)
+        ingest.handle(wire.node_topic("n", "iter"), payload)
+        held += list(view.jobs)
+        refused += metrics.registry.get_sample_value("tmd_messages_rejected_total",
+                                                     {"reason": "value"}) or 0.0  # fmt: skip
+    assert held == [a] and refused == 1
+
+
+async def test_a_shard_told_its_telemetry_was_dropped_counts_no_loss_and_settles() -> None:
+    """The head counted what it dropped (``tmd_shard_dropped_total``): the gap in a rank's
+    numbers that follows is not counted again as lost, and the shard's view settles."""
+    cfg = config.from_dict({"ingest": {"shards": 1}})
+    r, w = os.pipe()
+    back_r, back_w = os.pipe()
+    shard = _Shard(0, cfg, [], Connection(r), Connection(back_w), Ingest)
+    t = time.time()
+    fresh = shard.ingest.freshness
+    fresh.connection(True, t)
+    fresh.answered(t, t)
+
+    def batch(seq: int) -> bytes:
+        step = wire.StepTiming(seq, t, 1.0, 0.6, 0.3, 0.05, 0.05)
+        data = wire.encode(wire.IterBatch(ts=t, job="j", rank=0, node="n", seq=seq, steps=[step]))
+        return frame(OP_MESSAGE, wire.iter_topic("j", 0), data)
+
+    try:
+        for data in (batch(1), batch(2), frame(OP_DROPPED), batch(6), batch(8)):
+            os.write(w, data)
+        shard._readable()
+        lost = shard.metrics.registry.get_sample_value
+        assert lost("tmd_messages_lost_total", {"kind": "iter"}) == 1  # 7, after: a loss
+        assert lost("tmd_rank_steps_total", {"outcome": "accepted"}) == 4
+        assert fresh.state(time.time()) == "settling"
+    finally:
+        for fd in (w, back_r):
+            os.close(fd)
+
+
+async def test_the_head_takes_a_shards_report_but_not_a_job_it_forgot() -> None:
+    p = _Pipes(1)
+    try:
+        now = p.clock.now()
+        empty = {"iter": 0}
+
+        def report(jobs: dict[str, tuple[float, int, int]]) -> _Report:
+            return _Report(rejected={}, steps={"accepted": 5}, lost=empty, latency=[0] * 12,
+                           latency_sum=0.0, lag_s=0.1, stale=False, ranks=2, total_steps=5,
+                           jobs=jobs, plugins={"straggler": True})  # fmt: skip
+
+        link = p.shards.links[0]
+        p.shards._took(link, report({"j": (now - 1, 2, 40)}))
+        job = p.view.jobs["j"]
+        assert (job.shard, job.last_seen) == ((2, 40), now - 1)
+        value = p.metrics.registry.get_sample_value
+        assert value("tmd_rank_steps_total", {"outcome": "accepted"}) == 5
+        assert value("tmd_messages_received_total", {"kind": "iter"}) == 0  # the head's alone
+        assert p.view.reporting_ranks() == 2 and p.view.total_steps() == 5
+        assert p.view.forget_job("j")  # the API, say: its shard is told
+        p.clock.advance(0.1)
+        p.shards._took(link, report({"j": (now - 1, 2, 40)}))  # made before it knew
+        assert "j" not in p.view.jobs
+        assert [op for op, *_ in await p.read(0)] == [OP_FORGET_JOB]
+        p.clock.advance(1.0)
+        p.shards._took(link, report({"j": (p.clock.now(), 1, 41)}))  # a rank reported since
+        assert p.view.jobs["j"].shard == (1, 41)
+        p.shards._took(link, report({"old": (now - 7200, 1, 1)}))  # silent: not taken up
+        assert "old" not in p.view.jobs
     finally:
         p.close()
