@@ -287,9 +287,7 @@ class Ingest:
         only) and its columns line up."""
         if message.node != node or (message.gpu is not None and message.gpu.node != node):
             raise ProtocolError("mismatch", "node differs from the topic")
-        jobs = message.jobs
-        if self.shard is not None:  # the head took the machine's part
-            jobs = [r for r in jobs if self._owns(r.job)]
+        jobs = message.jobs  # a shard's own only (``_apply_own_relayed``)
         for relayed in jobs:
             relayed.check()
         view = self._view
@@ -348,7 +346,9 @@ class Ingest:
             try:
                 if not self._owns(wire.decode(raw, _RelayedJob).job):
                     continue
-                jobs.append(wire.decode(raw, wire.RelayedBatches))
+                relayed = wire.decode(raw, wire.RelayedBatches)
+                relayed.check()
+                jobs.append(relayed)
             except ProtocolError as exc:
                 refused = exc
         if jobs:

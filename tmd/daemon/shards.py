@@ -56,6 +56,7 @@ import multiprocessing as mp
 import os
 import signal
 import struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Union
@@ -127,6 +128,7 @@ class _Report(msgspec.Struct, array_like=True):
     ranks: int
     total_steps: int
     jobs: dict[str, tuple[float, int, int]]  # each job's last report, ranks, front step
+    forgotten: int  # the OP_FORGET_JOB frames it has read
     plugins: dict[str, bool]
 
 
@@ -209,6 +211,8 @@ class _Link:
     inbox: bytearray = field(default_factory=bytearray)
     report: _Report | None = None
     report_at: float = -math.inf  # when (the loop's clock) its last report came
+    forgets: int = 0  # OP_FORGET_JOB frames sent
+    forgetting: deque[tuple[int, str]] = field(default_factory=deque)  # (number, job) unread
     dumps: list[bytes] = field(default_factory=list)
 
     @property
@@ -251,7 +255,6 @@ class Shards:
         self.max_backlog_bytes = MAX_BACKLOG_BYTES
         self._dumped = asyncio.Event()
         self._owners: dict[str, int] = {}
-        self._forgot: dict[str, float] = {}  # job -> when the head forgot it
 
     def owner(self, job: str) -> int:
         """``owner(job, count)``, remembered (it is asked for every message)."""
@@ -432,15 +435,16 @@ class Shards:
         assert self._loop is not None
         link.report_at = self._loop.time()
         now, after = self._clock.now(), self._config.ingest.forget_after_s
+        forgetting = link.forgetting
+        while forgetting and forgetting[0][0] <= r.forgotten:
+            forgetting.popleft()  # the shard forgot it too: what it says now is news
+        waiting = {job for _, job in forgetting}
         for name, (seen, ranks, step) in r.jobs.items():
-            forgot = self._forgot.get(name)
-            if forgot is not None and seen <= forgot:
-                continue  # a report made before its shard forgot it too
+            if name in waiting:
+                continue  # a report made before its shard read that it was forgotten
             if now - seen > after:
                 continue  # silent: forgotten here (housekeeping), and soon there
             self._view.note_shard(name, seen, ranks, step)
-        for name in [n for n, t in self._forgot.items() if now - t > REPORT_S * 20 + after]:
-            del self._forgot[name]
         reports = [lk.report for lk in self.links if lk.report is not None]
         self._view.elsewhere = (sum(x.ranks for x in reports), sum(x.total_steps for x in reports))
         for name, up in self.plugins_up().items():
@@ -467,10 +471,13 @@ class Shards:
 
     def forget(self, job: str) -> None:
         """The head forgot ``job`` (its status cleared, the API): its shard forgets it too,
-        and what its reports said of it before they know is not taken up again."""
+        and what its reports say of it until it has read so is not taken up again (the
+        forgets are numbered on each pipe, and each report says how many were read)."""
         if self.links:
-            self._forgot[job] = self._clock.now()
-            self.send(self.owner(job), frame(OP_FORGET_JOB, job))
+            link = self.links[self.owner(job)]
+            link.forgets += 1
+            link.forgetting.append((link.forgets, job))
+            self.send(link.index, frame(OP_FORGET_JOB, job))
 
     def plugins_up(self) -> dict[str, bool]:
         """The shards' plug-ins: up where every shard last said so."""
@@ -562,6 +569,7 @@ class _Shard:
         self.inbox = bytearray()
         self.closed: asyncio.Future[None] | None = None
         self.sent = _Counts.of(self.metrics)
+        self.forgotten = 0
 
     def emit(self, event: events.Event, source: str) -> None:
         self._out(_Out("event", source=source, event=_ENCODER.encode(event)))
@@ -613,10 +621,13 @@ class _Shard:
             elif op == OP_LOST:
                 fresh.lost(self.clock.now())
             elif op == OP_DROPPED:  # counted by the head: not a gap in the ranks' numbers
+                # (nor is what the broker dropped for a rank just then: the view settles
+                # anew all the same)
                 fresh.lost(self.clock.now())
                 self.view.restart_sequences()
             elif op == OP_FORGET_JOB:
                 self.view.forget_job(topic)
+                self.forgotten += 1
             elif op == OP_DUMP:
                 self._out(_Out("dump", dump=ingest.dump()))
 
@@ -648,6 +659,7 @@ class _Shard:
             total_steps=self.view.total_steps(),
             jobs={n: (j.last_seen, len(j.ranks), _front(j)) for n, j in self.view.jobs.items()},
             plugins={r.spec.name: r.up for r in self.runners},
+            forgotten=self.forgotten,
         )
         self.sent = counts
         return report

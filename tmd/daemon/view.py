@@ -380,7 +380,7 @@ class ClusterView:
         held = max(len(known.ranks) - len(gone), len(members)) + len(standbys) + len(excluded)
         if self.held_ranks - known.held + held > self.max_ranks:
             raise _too_many_ranks(self.max_ranks)
-        job = self._job(status.job, now)
+        job = self._job(status.job, now, status=True)
         if status.run > job.run:
             # A new run of the job (its launcher started it again from a checkpoint):
             # its generations count from 0 again and its steps go back, so what the
@@ -515,10 +515,10 @@ class ClusterView:
     def apply_xid(self, event: wire.XidEvent, now: float) -> None:
         self._node(event.node, now).xids.append(event)
 
-    def _job(self, name: str, now: float) -> JobView:
+    def _job(self, name: str, now: float, *, status: bool = False) -> JobView:
         job = self.jobs.get(name)
         if job is None:
-            if len(self.jobs) >= self.max_jobs and not self._make_room():
+            if len(self.jobs) >= self.max_jobs and not (status and self._make_room()):
                 raise ProtocolError("limit", f"more than {self.max_jobs} jobs (ingest.max_jobs)")
             job = self.jobs[name] = JobView(name)
         job.last_seen = now
@@ -625,7 +625,8 @@ class ClusterView:
 
     def _make_room(self) -> bool:
         """Drop a job known only from an ingest shard's report (no status, no rank
-        here) for one this view takes in itself; False: none."""
+        here) for a job's status; False: none (a scan of the jobs, only when the view
+        is full of them)."""
         for name, job in self.jobs.items():
             if job.shard is not None and not job.status_ts and not job.ranks:
                 self._forgotten(self.jobs.pop(name))

@@ -9,6 +9,9 @@ import time
 from collections import Counter
 from multiprocessing.connection import Connection
 
+import msgspec
+import pytest
+
 from tests.fakes.clock import FakeClock
 from tmd import config, wire
 from tmd.daemon.bus import Bus
@@ -28,6 +31,7 @@ from tmd.daemon.shards import (
     owner,
 )
 from tmd.daemon.view import ClusterView
+from tmd.errors import ProtocolError
 
 
 def test_owner_is_stable_and_spreads_names_that_differ_in_their_last_character() -> None:
@@ -281,10 +285,10 @@ async def test_the_head_takes_a_shards_report_but_not_a_job_it_forgot() -> None:
         now = p.clock.now()
         empty = {"iter": 0}
 
-        def report(jobs: dict[str, tuple[float, int, int]]) -> _Report:
+        def report(jobs: dict[str, tuple[float, int, int]], forgotten: int = 0) -> _Report:
             return _Report(rejected={}, steps={"accepted": 5}, lost=empty, latency=[0] * 12,
                            latency_sum=0.0, lag_s=0.1, stale=False, ranks=2, total_steps=5,
-                           jobs=jobs, plugins={"straggler": True})  # fmt: skip
+                           jobs=jobs, plugins={"straggler": True}, forgotten=forgotten)  # fmt: skip
 
         link = p.shards.links[0]
         p.shards._took(link, report({"j": (now - 1, 2, 40)}))
@@ -295,14 +299,47 @@ async def test_the_head_takes_a_shards_report_but_not_a_job_it_forgot() -> None:
         assert value("tmd_messages_received_total", {"kind": "iter"}) == 0  # the head's alone
         assert p.view.reporting_ranks() == 2 and p.view.total_steps() == 5
         assert p.view.forget_job("j")  # the API, say: its shard is told
-        p.clock.advance(0.1)
-        p.shards._took(link, report({"j": (now - 1, 2, 40)}))  # made before it knew
+        p.clock.advance(1.0)
+        # Made before it read so, even with a step applied since (in flight then).
+        p.shards._took(link, report({"j": (p.clock.now(), 2, 41)}))
         assert "j" not in p.view.jobs
         assert [op for op, *_ in await p.read(0)] == [OP_FORGET_JOB]
-        p.clock.advance(1.0)
-        p.shards._took(link, report({"j": (p.clock.now(), 1, 41)}))  # a rank reported since
-        assert p.view.jobs["j"].shard == (1, 41)
+        p.shards._took(link, report({"j": (p.clock.now(), 1, 42)}, forgotten=1))  # news
+        assert p.view.jobs["j"].shard == (1, 42)
         p.shards._took(link, report({"old": (now - 7200, 1, 1)}))  # silent: not taken up
         assert "old" not in p.view.jobs
     finally:
         p.close()
+
+
+def test_a_shard_refuses_its_own_job_whose_columns_do_not_line_up_and_applies_the_rest() -> None:
+    mine = [f"j{i}" for i in range(100) if owner(f"j{i}", 2) == 0][:2]
+    t = time.time()
+    bad = msgspec.structs.replace(_relayed(mine[1], [0], t), count=[2])  # one step for two
+    payload = wire.encode(wire.NodeIter(ts=t, node="n", jobs=[_relayed(mine[0], [0], t), bad]))
+    view, metrics = ClusterView(), Metrics()
+    cfg = config.from_dict({})
+    ingest = Ingest(mqtt=cfg.mqtt, config=cfg.ingest, view=view, bus=Bus(), metrics=metrics,
+                    clock=FakeClock(t))  # fmt: skip
+    ingest.shard = (0, 2)
+    ingest.handle(wire.node_topic("n", "iter"), payload)
+    assert list(view.jobs) == [mine[0]]
+    assert (
+        metrics.registry.get_sample_value("tmd_messages_rejected_total", {"reason": "schema"}) == 1
+    )
+
+
+def test_a_job_known_only_from_a_shards_report_gives_way_to_a_status_not_to_ranks() -> None:
+    view = ClusterView(max_jobs=2)
+    t = time.time()
+    view.note_shard("a", t, 8, 10)
+    view.note_shard("b", t, 8, 10)
+    status = wire.JobStatus(ts=t, job="c", generation=0, world_size=1,
+                            members=[wire.Member(0, "n")])  # fmt: skip
+    view.apply_job_status(status, t)
+    assert sorted(view.jobs) == ["b", "c"]
+    view.note_shard("d", t, 8, 10)  # full: not taken
+    assert sorted(view.jobs) == ["b", "c"]
+    with pytest.raises(ProtocolError) as refused:  # a rank's steps of a new job do not evict
+        view.apply_steps("e", 0, "n", 0, None, [(1, t, 1.0, 0.6, 0.3, 0.05, 0.05)], t)
+    assert refused.value.reason == "limit"
