@@ -287,7 +287,7 @@ class Ingest:
         only) and its columns line up."""
         if message.node != node or (message.gpu is not None and message.gpu.node != node):
             raise ProtocolError("mismatch", "node differs from the topic")
-        jobs = message.jobs  # a shard's own only (``_apply_own_relayed``)
+        jobs = message.jobs  # in a shard, its own only (``_apply_own_relayed``)
         for relayed in jobs:
             relayed.check()
         view = self._view
@@ -318,7 +318,8 @@ class Ingest:
         """An agent's relayed message, with ingest shards: its machine's part (its number,
         its GPU sample) applied here, the message as it came to the shard of each of its
         jobs (``_RelayedHead``). Each shard checks and applies its own jobs' batches
-        (in this process, one bad batch refuses the whole message)."""
+        (``_apply_own_relayed``; without shards one bad batch refuses the whole
+        message)."""
         shards = self.shards
         assert shards is not None
         kind = "node_iter"

@@ -17,9 +17,10 @@ jobs):
   ``ClusterView`` and ``Ingest`` code, each job's statuses too), runs the detectors
   that read ranks (``Detector.reads_ranks``: ``straggler``, ``rank_stalled``), and
   sends their findings to the head, which journals and acts on them as on its own.
-  Every ``REPORT_S`` it sends what it counted (the ``tmd_messages_*``, ``tmd_rank_steps``
-  and latency series, which the head exports as one), its jobs' last reports, its
-  ranks and steps, its plug-ins' state and its lag.
+  Every ``REPORT_S`` it sends what it counted (rejected and lost messages, rank-steps,
+  latencies: the head exports its own and theirs as one series; what was received, the
+  head counts), its jobs' last reports, ranks and front steps, its ranks and steps, its
+  plug-ins' state and its lag.
 - The shard's view is as fresh as the head's intake and the pipe to it: the head
   passes on its connection's state, each probe it read back (in order with the
   messages, so a shard's lag includes its own backlog) and each loss it found.
@@ -89,10 +90,10 @@ _F_SETPIPE_SZ: Final = 1031
 # length), then the topic and the payload.
 _HEADER: Final = struct.Struct("<BBdHI")
 OP_MESSAGE: Final = 0
-OP_CONNECTED: Final = 1  # stamp: when
+OP_CONNECTED: Final = 1  # the head subscribed (anew): numbers start over
 OP_DISCONNECTED: Final = 2
 OP_PROBE: Final = 3  # stamp: the probe's send time, read back by the head
-OP_LOST: Final = 4  # stamp: when the head found a loss (or dropped the shard's own)
+OP_LOST: Final = 4  # the head found messages lost on the way to it
 OP_FORGET_JOB: Final = 5  # topic: the job's name
 OP_DUMP: Final = 6  # the shard sends what ``dump`` gives (benchmarks)
 OP_DROPPED: Final = 7  # the head dropped telemetry for it here (``Shards.send``)
