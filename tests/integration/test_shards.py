@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.conftest import DaemonFactory
@@ -58,6 +59,12 @@ async def test_each_shard_takes_its_jobs_and_the_head_hears_their_findings(
     assert (value("tmd_rank_steps_total", {"outcome": "accepted"}) or 0) > 16
     assert value("tmd_messages_rejected_total", {"reason": "mismatch"}) == 0
     assert (value("tmd_ingest_latency_seconds_count") or 0) > 0  # a batch each
+    # The API's rank rows, from the job's shard.
+    url = f"http://127.0.0.1:{daemon.api.port}/api/v1/status?job=train-1"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        (job,) = (await resp.json())["jobs"]
+    assert [r["rank"] for r in job["ranks"]] == list(range(8))
+    assert {r["node"] for r in job["ranks"]} == {f"node-{n:05d}" for n in range(4, 8)}
     health = daemon.health()
     assert health["plugins"]["straggler"] and health["plugins"]["gpu_health"]
     assert [r.spec.name for r in daemon.runners if r.spec.name == "straggler"] == []

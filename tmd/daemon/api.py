@@ -64,6 +64,8 @@ class Api:
         self._metrics = metrics
         self._clock = clock
         self._health = health
+        # A job's rank rows where its ranks live in an ingest shard (``Shards.rank_rows``).
+        self.shard_rows: Callable[[str], Awaitable[list[dict[str, Any]]]] | None = None
         self._log = log.get("api")
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -144,6 +146,12 @@ class Api:
                 view_job = self._view.jobs.get(j["job"])
                 j["ranks"] = []
                 if view_job is None:
+                    continue
+                if view_job.shard is not None and self.shard_rows is not None:
+                    try:
+                        j["ranks"] = await self.shard_rows(j["job"])
+                    except TimeoutError:
+                        j["ranks_error"] = "its ingest shard did not answer in time"
                     continue
                 for rows in rank_rows(view_job, now):
                     j["ranks"].extend(rows)

@@ -148,6 +148,8 @@ class Daemon:
             emit=self.emit,
             metrics=self.metrics,
         )
+        if self.shards is not None:
+            self.api.shard_rows = self.shards.rank_rows
         for route in routes.routes(self.emit, now=self.clock.now):
             self.api.add_route(route.method, route.path, route.handler)
         self.ready = asyncio.Event()

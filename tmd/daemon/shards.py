@@ -34,8 +34,8 @@ shard whose reports stop is behind: the head's view is stale. A shard that dies 
 the daemon (systemd restarts it, as for any failure of its core); a head that dies
 ends its shards (their pipe closes); a stop signal is the head's to handle.
 
-Not the same as in one process: the API has no rank rows (the ranks are in the
-shards); an agent's relayed message is checked by part (its machine's here, each job's
+Not the same as in one process: the API's rank rows come from the job's shard when
+asked (``rank_rows``); an agent's relayed message is checked by part (its machine's here, each job's
 in the shard that owns it), not refused whole for one bad job; ``ingest.max_ranks``
 and ``max_jobs`` bound each shard's view, and the head's (the jobs' statuses, where a
 job known only from a shard's report gives way to one with a status); plug-in metrics
@@ -70,7 +70,7 @@ from tmd.config import ApiConfig, Config, MqttConfig
 from tmd.daemon import events, plugins
 from tmd.daemon.bus import Bus
 from tmd.daemon.metrics import Metrics
-from tmd.daemon.view import ClusterView, JobView
+from tmd.daemon.view import ClusterView, JobView, rank_rows
 from tmd.errors import TmdError
 
 if TYPE_CHECKING:
@@ -97,6 +97,8 @@ OP_LOST: Final = 4  # the head found messages lost on the way to it
 OP_FORGET_JOB: Final = 5  # topic: the job's name
 OP_DUMP: Final = 6  # the shard sends what ``dump`` gives (benchmarks)
 OP_DROPPED: Final = 7  # the head dropped telemetry for it here (``Shards.send``)
+OP_RANKS: Final = 8  # topic: a job; stamp: the request's number (``Shards.rank_rows``)
+RANK_ROWS_TIMEOUT_S: Final = 10.0
 
 # Shard -> head: a 4-byte length, then a msgpack array (``_Out``).
 _LEN: Final = struct.Struct("<I")
@@ -134,7 +136,8 @@ class _Report(msgspec.Struct, array_like=True):
 
 
 class _Out(msgspec.Struct, array_like=True):
-    """One message from a shard: an event of ``source``, a report, or a dump."""
+    """One message from a shard: an event of ``source``, a report, a dump, or a job's
+    rank rows (``rows``: JSON in ``dump``, for the request numbered ``source``)."""
 
     what: str
     source: str = ""
@@ -256,6 +259,8 @@ class Shards:
         self.max_backlog_bytes = MAX_BACKLOG_BYTES
         self._dumped = asyncio.Event()
         self._owners: dict[str, int] = {}
+        self._asked: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
+        self._requests = 0
 
     def owner(self, job: str) -> int:
         """``owner(job, count)``, remembered (it is asked for every message)."""
@@ -403,6 +408,10 @@ class Shards:
                 elif out.what == "dump":
                     link.dumps.append(out.dump)
                     self._dumped.set()
+                elif out.what == "rows":
+                    asked = self._asked.pop(int(out.source), None)
+                    if asked is not None and not asked.done():
+                        asked.set_result(msgspec.json.decode(out.dump))
         except msgspec.DecodeError as exc:  # a bug, between two processes of one version
             self._log.exception("ingest shard sent what the head cannot read")
             self._fail(link, f"unreadable message from ingest shard {link.index}: {exc}")
@@ -479,6 +488,23 @@ class Shards:
             link.forgets += 1
             link.forgetting.append((link.forgets, job))
             self.send(link.index, frame(OP_FORGET_JOB, job))
+
+    async def rank_rows(self, job: str) -> list[dict[str, Any]]:
+        """The API's rank rows of ``job``, from the shard that owns it (``TimeoutError``
+        past ``RANK_ROWS_TIMEOUT_S``: a shard far behind answers late)."""
+        if not self.links:
+            return []
+        assert self._loop is not None
+        self._requests += 1
+        number = self._requests
+        asked = self._asked[number] = self._loop.create_future()
+        self.send(self.owner(job), frame(OP_RANKS, job, stamp=float(number)))
+        try:
+            async with asyncio.timeout(RANK_ROWS_TIMEOUT_S):
+                rows: list[dict[str, Any]] = await asked
+                return rows
+        finally:
+            self._asked.pop(number, None)
 
     def plugins_up(self) -> dict[str, bool]:
         """The shards' plug-ins: up where every shard last said so."""
@@ -571,6 +597,7 @@ class _Shard:
         self.closed: asyncio.Future[None] | None = None
         self.sent = _Counts.of(self.metrics)
         self.forgotten = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def emit(self, event: events.Event, source: str) -> None:
         self._out(_Out("event", source=source, event=_ENCODER.encode(event)))
@@ -631,6 +658,18 @@ class _Shard:
                 self.forgotten += 1
             elif op == OP_DUMP:
                 self._out(_Out("dump", dump=ingest.dump()))
+            elif op == OP_RANKS:  # in chunks, ingest going on between them
+                self._tasks.add(task := asyncio.create_task(self._rows(int(stamp), topic)))
+                task.add_done_callback(self._tasks.discard)
+
+    async def _rows(self, number: int, job: str) -> None:
+        rows: list[dict[str, Any]] = []
+        found = self.view.jobs.get(job)
+        if found is not None:
+            for chunk in rank_rows(found, self.clock.now()):
+                rows += chunk
+                await asyncio.sleep(0)
+        self._out(_Out("rows", source=str(number), dump=msgspec.json.encode(rows)))
 
     async def _report(self) -> None:
         while True:
