@@ -64,8 +64,9 @@ class Api:
         self._metrics = metrics
         self._clock = clock
         self._health = health
-        # A job's rank rows where its ranks live in an ingest shard (``Shards.rank_rows``).
-        self.shard_rows: Callable[[str], Awaitable[list[dict[str, Any]]]] | None = None
+        # A job's rank rows (JSON) where its ranks live in an ingest shard
+        # (``Shards.rank_rows``).
+        self.shard_rows: Callable[[str], Awaitable[msgspec.Raw]] | None = None
         self._log = log.get("api")
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -141,17 +142,22 @@ class Api:
         ranks = request.query.get("ranks", "1") not in ("0", "false", "no")
         now = self._clock.now()
         snapshot = self._view.snapshot(now, job=job)
-        if ranks:
+        if ranks and self.shard_rows is not None:  # every job's shard asked at once
+            asking = self.shard_rows
+            answers = await asyncio.gather(
+                *(asking(j["job"]) for j in snapshot["jobs"]), return_exceptions=True
+            )
+            for j, answer in zip(snapshot["jobs"], answers, strict=True):
+                if isinstance(answer, BaseException):
+                    j["ranks"] = []
+                    j["ranks_error"] = f"its ingest shard did not answer: {answer!r}"[:300]
+                else:
+                    j["ranks"] = answer  # as the shard wrote it
+        elif ranks:
             for j in snapshot["jobs"]:
                 view_job = self._view.jobs.get(j["job"])
                 j["ranks"] = []
                 if view_job is None:
-                    continue
-                if view_job.shard is not None and self.shard_rows is not None:
-                    try:
-                        j["ranks"] = await self.shard_rows(j["job"])
-                    except TimeoutError:
-                        j["ranks_error"] = "its ingest shard did not answer in time"
                     continue
                 for rows in rank_rows(view_job, now):
                     j["ranks"].extend(rows)

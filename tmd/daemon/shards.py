@@ -113,7 +113,11 @@ def owner(job: str, shards: int) -> int:
     return int.from_bytes(digest, "little") % shards
 
 
-class ShardDied(TmdError):
+class ShardError(TmdError):
+    """A shard could not do what the head asked (``rank_rows``)."""
+
+
+class ShardDied(ShardError):
     """A shard process exited: the daemon ends and its supervisor restarts it whole."""
 
 
@@ -259,7 +263,7 @@ class Shards:
         self.max_backlog_bytes = MAX_BACKLOG_BYTES
         self._dumped = asyncio.Event()
         self._owners: dict[str, int] = {}
-        self._asked: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
+        self._asked: dict[int, asyncio.Future[msgspec.Raw]] = {}
         self._requests = 0
 
     def owner(self, job: str) -> int:
@@ -408,11 +412,15 @@ class Shards:
                 elif out.what == "dump":
                     link.dumps.append(out.dump)
                     self._dumped.set()
-                elif out.what == "rows":
+                elif out.what in ("rows", "rows_failed"):
                     asked = self._asked.pop(int(out.source), None)
-                    if asked is not None and not asked.done():
-                        asked.set_result(msgspec.json.decode(out.dump))
-        except msgspec.DecodeError as exc:  # a bug, between two processes of one version
+                    if asked is None or asked.done():
+                        continue
+                    if out.what == "rows":
+                        asked.set_result(msgspec.Raw(out.dump))  # passed on as it is
+                    else:
+                        asked.set_exception(ShardError(out.dump.decode(errors="replace")))
+        except (msgspec.DecodeError, ValueError) as exc:  # a bug: one version, two processes
             self._log.exception("ingest shard sent what the head cannot read")
             self._fail(link, f"unreadable message from ingest shard {link.index}: {exc}")
 
@@ -428,6 +436,14 @@ class Shards:
         self._loop.remove_reader(link.in_fd)
         if self._died is not None and not self._died.done():
             self._died.set_exception(ShardDied(why))
+        self._fail_asked(why)
+
+    def _fail_asked(self, why: str) -> None:
+        """What the API waits for from the shards will not come."""
+        for asked in self._asked.values():
+            if not asked.done():
+                asked.set_exception(ShardDied(why))
+        self._asked.clear()
 
     def _took(self, link: _Link, r: _Report) -> None:
         m = self._metrics
@@ -489,20 +505,21 @@ class Shards:
             link.forgetting.append((link.forgets, job))
             self.send(link.index, frame(OP_FORGET_JOB, job))
 
-    async def rank_rows(self, job: str) -> list[dict[str, Any]]:
-        """The API's rank rows of ``job``, from the shard that owns it (``TimeoutError``
-        past ``RANK_ROWS_TIMEOUT_S``: a shard far behind answers late)."""
+    async def rank_rows(self, job: str) -> msgspec.Raw:
+        """The API's rank rows of ``job`` (a JSON array), from the shard that owns it
+        (``TimeoutError`` past ``RANK_ROWS_TIMEOUT_S``: a shard far behind answers late;
+        ``ShardError`` when it could not)."""
         if not self.links:
-            return []
+            raise ShardError("the ingest shards are stopped")
         assert self._loop is not None
         self._requests += 1
         number = self._requests
-        asked = self._asked[number] = self._loop.create_future()
+        asked: asyncio.Future[msgspec.Raw] = self._loop.create_future()
+        self._asked[number] = asked
         self.send(self.owner(job), frame(OP_RANKS, job, stamp=float(number)))
         try:
             async with asyncio.timeout(RANK_ROWS_TIMEOUT_S):
-                rows: list[dict[str, Any]] = await asked
-                return rows
+                return await asked
         finally:
             self._asked.pop(number, None)
 
@@ -544,6 +561,7 @@ class Shards:
         self.links.clear()
         if self._died is not None and not self._died.done():
             self._died.cancel()
+        self._fail_asked("the ingest shards stopped")
 
 
 # -- a shard's side ------------------------------------------------------------------
@@ -598,6 +616,7 @@ class _Shard:
         self.sent = _Counts.of(self.metrics)
         self.forgotten = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._log = log.get("shard")
 
     def emit(self, event: events.Event, source: str) -> None:
         self._out(_Out("event", source=source, event=_ENCODER.encode(event)))
@@ -663,13 +682,20 @@ class _Shard:
                 task.add_done_callback(self._tasks.discard)
 
     async def _rows(self, number: int, job: str) -> None:
-        rows: list[dict[str, Any]] = []
-        found = self.view.jobs.get(job)
-        if found is not None:
-            for chunk in rank_rows(found, self.clock.now()):
-                rows += chunk
-                await asyncio.sleep(0)
-        self._out(_Out("rows", source=str(number), dump=msgspec.json.encode(rows)))
+        """Job ``job``'s rank rows for the head's request ``number``, made in chunks with
+        ingest going on between them; what went wrong, if anything, in their place."""
+        try:
+            rows: list[dict[str, Any]] = []
+            found = self.view.jobs.get(job)
+            if found is not None:
+                for chunk in rank_rows(found, self.clock.now()):
+                    rows += chunk
+                    await asyncio.sleep(0)
+            out = _Out("rows", source=str(number), dump=msgspec.json.encode(rows))
+        except Exception as exc:  # a bug: said, not a request left waiting
+            self._log.exception("rank rows not made", job=job)
+            out = _Out("rows_failed", source=str(number), dump=repr(exc).encode())
+        self._out(out)
 
     async def _report(self) -> None:
         while True:

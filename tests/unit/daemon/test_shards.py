@@ -22,8 +22,12 @@ from tmd.daemon.shards import (
     OP_FORGET_JOB,
     OP_MESSAGE,
     OP_PROBE,
+    OP_RANKS,
+    ShardError,
     Shards,
     _Link,
+    _Out,
+    _pack,
     _Report,
     _Shard,
     frame,
@@ -343,3 +347,30 @@ def test_a_job_known_only_from_a_shards_report_gives_way_to_a_status_not_to_rank
     with pytest.raises(ProtocolError) as refused:  # a rank's steps of a new job do not evict
         view.apply_steps("e", 0, "n", 0, None, [(1, t, 1.0, 0.6, 0.3, 0.05, 0.05)], t)
     assert refused.value.reason == "limit"
+
+
+async def test_rank_rows_are_asked_of_the_jobs_shard_and_its_answer_passed_on() -> None:
+    p = _Pipes(1)
+    try:
+        link = p.shards.links[0]
+        back = p.readers[0][1].fileno()
+        asked = asyncio.create_task(p.shards.rank_rows("j"))
+        failed = asyncio.create_task(p.shards.rank_rows("k"))
+        got = await p.read(0)
+        assert [(op, topic, stamp) for op, _, stamp, topic, _ in got] == [
+            (OP_RANKS, "j", 1.0),
+            (OP_RANKS, "k", 2.0),
+        ]
+        os.write(back, _pack(_Out("rows", source="1", dump=b'[{"rank":0}]')))
+        os.write(back, _pack(_Out("rows_failed", source="2", dump=b"RuntimeError()")))
+        p.shards._readable(link)
+        assert bytes(await asked) == b'[{"rank":0}]'  # as the shard wrote it
+        with pytest.raises(ShardError, match="RuntimeError"):
+            await failed
+        waiting = asyncio.create_task(p.shards.rank_rows("j"))
+        await asyncio.sleep(0)
+        p.shards._fail_asked("stopped")  # as when a shard dies or the shards stop
+        with pytest.raises(ShardError):
+            await waiting
+    finally:
+        p.close()
