@@ -80,14 +80,7 @@ class Daemon:
         self.metrics = Metrics()
         self.log = log.get("daemon")
         ing = config.ingest
-        self.view = ClusterView(
-            window_steps=ing.window_steps,
-            max_ranks_per_job=ing.max_ranks_per_job,
-            max_ranks=ing.max_ranks,
-            max_jobs=ing.max_jobs,
-            max_nodes=ing.max_nodes,
-            same_gpu_model=config.actuator.same_gpu_type,
-        )
+        self.view = ClusterView.of(config)
         # The machines flagged slow now, for /metrics (the policies keep their own).
         self.stragglers = Stragglers()
         self.metrics.watch(self.view, self.stragglers)

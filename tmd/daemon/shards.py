@@ -590,14 +590,7 @@ class _Shard:
         self.clock: Clock = SystemClock()
         self.metrics = Metrics()
         ing = config.ingest
-        self.view = ClusterView(
-            window_steps=ing.window_steps,
-            max_ranks_per_job=ing.max_ranks_per_job,
-            max_ranks=ing.max_ranks,
-            max_jobs=ing.max_jobs,
-            max_nodes=ing.max_nodes,
-            same_gpu_model=config.actuator.same_gpu_type,
-        )
+        self.view = ClusterView.of(config)
         self.bus = Bus()
         self.ingest = ingest_class(
             mqtt=config.mqtt, config=ing, view=self.view, bus=self.bus,

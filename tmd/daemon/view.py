@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tmd import wire
+from tmd.config import Config
 from tmd.daemon.columns import StepColumns
 from tmd.daemon.freshness import Freshness
 from tmd.daemon.ranks import RankState, StepsApplied
@@ -149,6 +150,20 @@ class NodeView:
 
 
 class ClusterView:
+    @classmethod
+    def of(cls, config: Config) -> ClusterView:
+        """The view ``config`` asks for: its ``[ingest]`` bounds and window, and
+        ``actuator.same_gpu_type``."""
+        ing = config.ingest
+        return cls(
+            window_steps=ing.window_steps,
+            max_ranks_per_job=ing.max_ranks_per_job,
+            max_ranks=ing.max_ranks,
+            max_jobs=ing.max_jobs,
+            max_nodes=ing.max_nodes,
+            same_gpu_model=config.actuator.same_gpu_type,
+        )
+
     def __init__(
         self,
         *,

@@ -251,11 +251,7 @@ class Simulation:
         self.clock = SimClock()
         self.metrics = Metrics()
         ing = c.ingest
-        self.view = ClusterView(
-            window_steps=ing.window_steps, max_ranks_per_job=ing.max_ranks_per_job,
-            max_ranks=ing.max_ranks, max_jobs=ing.max_jobs, max_nodes=ing.max_nodes,
-            same_gpu_model=c.actuator.same_gpu_type,
-        )  # fmt: skip
+        self.view = ClusterView.of(c)
         self.inbox = _Inbox()
         self.ingest = Ingest(mqtt=c.mqtt, config=ing, view=self.view, bus=self.inbox,
                              metrics=self.metrics, clock=self.clock)  # fmt: skip
