@@ -766,7 +766,8 @@ def _job_json(j: JobView, now: float) -> dict[str, Any]:
         "generation": j.generation,
         "step": max((r.last_step for r in j.ranks.values()), default=j.step),
         "reporting_ranks": len(j.ranks),
-        # With ingest shards, its ranks are in one: as it last said (no rank rows here).
+        # With ingest shards, its ranks are in one: as it last said (its rank rows, the
+        # API asks it for).
         **({} if j.shard is None else {"reporting_ranks": j.shard[0], "step": j.shard[1]}),
         "standbys": [
             {"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "slots": s.slots}
