@@ -287,9 +287,10 @@ class Ingest:
         only) and its columns line up."""
         if message.node != node or (message.gpu is not None and message.gpu.node != node):
             raise ProtocolError("mismatch", "node differs from the topic")
-        jobs = message.jobs  # in a shard, its own only (``_apply_own_relayed``)
-        for relayed in jobs:
-            relayed.check()
+        jobs = message.jobs
+        if self.shard is None:  # a shard's own, each checked as it took it
+            for relayed in jobs:
+                relayed.check()
         view = self._view
         if message.gpu is not None and self.shard is None:
             self._metrics.samples_by[view.apply_gpu(message.gpu, now)].inc()
